@@ -1,0 +1,125 @@
+"""``Callback``, the base of every hook object, and ``CallbackList``, which dispatches them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastdist.trainer.dist_trainer import DistTrainer
+
+
+class Callback:
+    """Override the hooks you need; they are called in the order listed here.
+
+    A callback in ``callbacks_all`` runs on every rank and may change training state (learning
+    rate, gradients); one in ``callbacks_master`` runs on rank 0 only and should only write
+    (logs, files) and must not call collectives. ``self.trainer`` is the running
+    :class:`~fastdist.DistTrainer`; ``self.trainer.state`` says where training is.
+
+    Example:
+        >>> class PrintLR(Callback):
+        ...     def on_epoch_end(self):
+        ...         print(self.trainer.optimizer.param_groups[0]["lr"])
+    """
+
+    trainer: DistTrainer
+
+    def on_train_begin(self) -> None:
+        """Before the first epoch."""
+
+    def on_epoch_begin(self) -> None:
+        """At the start of every epoch (``state.epoch`` is set)."""
+
+    def on_batch_begin(self, batch: Any) -> None:
+        """Before the forward pass of a micro-batch (already on the device)."""
+
+    def on_loss_begin(self, batch: Any, output: Any) -> None:
+        """After the forward pass, before the loss is computed."""
+
+    def on_backward_begin(self, loss: Any) -> None:
+        """Before ``backward`` on the micro-batch loss (unscaled by ``update_every``)."""
+
+    def on_backward_end(self) -> None:
+        """After ``backward``; when ``state.is_update`` the gradients are all-reduced."""
+
+    def on_step_end(self) -> None:
+        """After an optimizer update (``state.global_step`` already counts it)."""
+
+    def on_batch_end(self) -> None:
+        """After every micro-batch."""
+
+    def on_valid_begin(self) -> None:
+        """Before an evaluation on the dev data."""
+
+    def on_valid_end(self, eval_result: dict[str, float], metric_key: str, is_better: bool) -> None:
+        """After an evaluation; ``is_better`` says whether it is the best so far."""
+
+    def on_epoch_end(self) -> None:
+        """At the end of every epoch."""
+
+    def on_train_end(self) -> None:
+        """After the last epoch (or a stop request)."""
+
+    def on_exception(self, exception: BaseException) -> None:
+        """When training raises; the exception is re-raised afterwards."""
+
+
+class CallbackList:
+    """Runs ``callbacks_all`` on every rank, then ``callbacks_master`` on rank 0 only."""
+
+    def __init__(
+        self,
+        callbacks_all: Sequence[Callback],
+        callbacks_master: Sequence[Callback],
+        is_master: bool,
+    ) -> None:
+        # The one place where the all/master split is decided.
+        self.callbacks = list(callbacks_all) + (list(callbacks_master) if is_master else [])
+
+    def set_trainer(self, trainer: DistTrainer) -> None:
+        for cb in self.callbacks:
+            cb.trainer = trainer
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(*args)
+
+    def on_train_begin(self) -> None:
+        self._call("on_train_begin")
+
+    def on_epoch_begin(self) -> None:
+        self._call("on_epoch_begin")
+
+    def on_batch_begin(self, batch: Any) -> None:
+        self._call("on_batch_begin", batch)
+
+    def on_loss_begin(self, batch: Any, output: Any) -> None:
+        self._call("on_loss_begin", batch, output)
+
+    def on_backward_begin(self, loss: Any) -> None:
+        self._call("on_backward_begin", loss)
+
+    def on_backward_end(self) -> None:
+        self._call("on_backward_end")
+
+    def on_step_end(self) -> None:
+        self._call("on_step_end")
+
+    def on_batch_end(self) -> None:
+        self._call("on_batch_end")
+
+    def on_valid_begin(self) -> None:
+        self._call("on_valid_begin")
+
+    def on_valid_end(self, eval_result: dict[str, float], metric_key: str, is_better: bool) -> None:
+        self._call("on_valid_end", eval_result, metric_key, is_better)
+
+    def on_epoch_end(self) -> None:
+        self._call("on_epoch_end")
+
+    def on_train_end(self) -> None:
+        self._call("on_train_end")
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._call("on_exception", exception)

@@ -1,0 +1,41 @@
+"""Gradient clipping, once per optimizer update, on the all-reduced gradients."""
+
+from __future__ import annotations
+
+import torch
+
+from fastdist.callbacks.callback import Callback
+
+
+class GradientClipCallback(Callback):
+    """Clip gradients by global norm or by value before each optimizer update.
+
+    Put it in ``callbacks_all``. It runs after the window's last backward, when DDP has
+    averaged the gradients, so every rank clips the same gradients the same way.
+
+    Args:
+        clip_value: the maximum norm (``clip_type="norm"``) or absolute value (``"value"``).
+        clip_type: ``"norm"`` or ``"value"``.
+        parameters: what to clip; default all of the model's parameters.
+
+    Example:
+        >>> GradientClipCallback(clip_value=1.0, clip_type="norm")
+    """
+
+    def __init__(self, clip_value: float = 1.0, clip_type: str = "norm", parameters=None) -> None:
+        if clip_type not in ("norm", "value"):
+            raise ValueError(f"clip_type must be 'norm' or 'value', got {clip_type!r}")
+        if clip_value <= 0:
+            raise ValueError(f"clip_value must be > 0, got {clip_value}")
+        self.clip_value = clip_value
+        self.clip_type = clip_type
+        self.parameters = None if parameters is None else list(parameters)
+
+    def on_backward_end(self) -> None:
+        if not self.trainer.state.is_update:
+            return  # gradients are still partial inside an accumulation window
+        params = self.parameters or list(self.trainer.model.parameters())
+        if self.clip_type == "norm":
+            torch.nn.utils.clip_grad_norm_(params, self.clip_value)
+        else:
+            torch.nn.utils.clip_grad_value_(params, self.clip_value)

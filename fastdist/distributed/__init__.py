@@ -1,0 +1,35 @@
+"""Process group, rank queries and collectives that also work in a one-process world."""
+
+from fastdist.distributed.collectives import (
+    all_gather_object,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    rank_zero_first,
+    rank_zero_only,
+)
+from fastdist.distributed.env import (
+    default_backend,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_distributed,
+    is_master,
+)
+
+__all__ = [
+    "all_gather_object",
+    "all_reduce_sum",
+    "barrier",
+    "broadcast_object",
+    "default_backend",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_distributed",
+    "is_master",
+    "rank_zero_first",
+    "rank_zero_only",
+]

@@ -1,0 +1,133 @@
+"""Process-group lifecycle and rank queries, with a one-process fallback.
+
+Every function here works without a process group: then the world is one process of rank 0.
+Under torchrun the ranks come from its environment variables until a group exists.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+def get_rank() -> int:
+    """Global rank of this process (0 when there is no process group)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return _env_int("RANK", 0)
+
+
+def get_world_size() -> int:
+    """Number of processes in the job (1 when there is no process group)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return _env_int("WORLD_SIZE", 1)
+
+
+def get_local_rank() -> int:
+    """Rank of this process on its node, as torchrun's ``LOCAL_RANK`` says (0 by default)."""
+    return _env_int("LOCAL_RANK", 0)
+
+
+def is_master() -> bool:
+    """Whether this is global rank 0, the process that writes logs, models and files."""
+    return get_rank() == 0
+
+
+def is_distributed() -> bool:
+    """Whether a process group with more than one process is running."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def default_backend() -> str:
+    """nccl for CUDA tensors plus gloo for CPU tensors when CUDA is usable, else gloo alone."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+def init_distributed(
+    backend: str | None = None,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    timeout: float | None = None,
+) -> bool:
+    """Start the default process group unless one exists; return whether a group is running.
+
+    Under torchrun nothing needs to be given: rank, world size and the rendezvous address come
+    from the environment (``env://``). Outside torchrun pass ``init_method`` (``tcp://host:port``
+    or ``file:///path``) with ``rank`` and ``world_size``. Without torchrun variables and without
+    ``init_method`` this is a one-process world and no group is created.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"``...; default nccl when CUDA is available, else gloo.
+        init_method: rendezvous URL; default ``env://``.
+        rank: global rank of this process; default from ``RANK``.
+        world_size: number of processes; default from ``WORLD_SIZE``.
+        timeout: seconds a collective may wait before it fails; default torch's.
+
+    Example:
+        >>> fastdist.init_distributed(init_method="tcp://127.0.0.1:29500", rank=0, world_size=2)
+    """
+    if dist.is_initialized():
+        return True
+    if init_method is None and not all(v in os.environ for v in _TORCHRUN_VARS):
+        if (world_size or 1) > 1:
+            raise ValueError(
+                f"init_distributed(world_size={world_size}) needs init_method= "
+                "(tcp://host:port or file:///path) when not launched by torchrun"
+            )
+        return False
+    backend = backend or default_backend()
+    if "nccl" in backend:
+        torch.cuda.set_device(get_local_rank())
+    kwargs: dict = {"backend": backend, "init_method": init_method or "env://"}
+    if rank is not None:
+        kwargs["rank"] = rank
+    if world_size is not None:
+        kwargs["world_size"] = world_size
+    if timeout is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout)
+    dist.init_process_group(**kwargs)
+    # The group is ours: tear it down at exit so torch does not warn about a leaked group.
+    atexit.register(_destroy_if_initialized)
+    return True
+
+
+def _destroy_if_initialized() -> None:
+    if not dist.is_initialized():
+        return
+    if getattr(sys, "last_value", None) is None:
+        # On a clean exit, wait for the peers first: destroying a gloo group while a peer is
+        # still tearing down its own aborts the process now and then. After an uncaught
+        # exception there is no waiting (the peers may be gone): just release the group.
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def ensure_group() -> bool:
+    """Create the group from torchrun's environment if the job has several processes."""
+    if dist.is_initialized():
+        return True
+    if get_world_size() > 1:
+        missing = [name for name in _TORCHRUN_VARS if name not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"WORLD_SIZE={get_world_size()} but {', '.join(missing)} is not set: launch with "
+                "torchrun, or call fastdist.init_distributed(init_method=...) first"
+            )
+        return init_distributed()
+    return False

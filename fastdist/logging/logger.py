@@ -1,0 +1,74 @@
+"""The rank-aware ``fastdist`` logger: INFO on rank 0, WARNING elsewhere, tagged with the rank."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from tqdm import tqdm
+
+from fastdist.distributed.env import get_rank, get_world_size
+
+LOGGER_NAME = "fastdist"
+_FORMAT = "%(asctime)s %(levelname)s%(rank_tag)s %(message)s"
+_DATEFMT = "%Y-%m-%d %H:%M:%S"
+
+
+class _RankFilter(logging.Filter):
+    """Tag records with the rank; with ``gate``, pass non-zero ranks from WARNING up only."""
+
+    def __init__(self, gate: bool) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rank = get_rank()
+        record.rank_tag = f" [rank {rank}]" if get_world_size() > 1 else ""
+        return not self.gate or rank == 0 or record.levelno >= logging.WARNING
+
+
+class _TqdmHandler(logging.Handler):
+    """Write to the current ``sys.stderr`` through ``tqdm.write``, so a bar is not torn."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def _attach(handler: logging.Handler, gate: bool) -> None:
+    handler.setFormatter(logging.Formatter(_FORMAT, _DATEFMT))
+    handler.addFilter(_RankFilter(gate))
+    logger.addHandler(handler)
+
+
+logger = logging.getLogger(LOGGER_NAME)
+logger.setLevel(logging.INFO)
+logger.propagate = False
+if not logger.handlers:  # importlib.reload must not double every line
+    _attach(_TqdmHandler(), gate=True)
+
+
+def init_logger_dist(level: int | str = logging.INFO) -> logging.Logger:
+    """Set the level rank 0 logs at (other ranks still show only WARNING and up).
+
+    Kept from fastNLP's API; the logger is rank-aware without calling this.
+    """
+    logger.setLevel(level)
+    return logger
+
+
+def add_file(path: str, all_ranks: bool = False) -> None:
+    """Also write the log to ``path``; with ``all_ranks`` each rank writes ``path.rank<N>``.
+
+    Without ``all_ranks`` only rank 0 writes, and it writes everything it logs.
+    """
+    rank = get_rank()
+    if all_ranks:
+        path = f"{path}.rank{rank}"
+    elif rank != 0:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    _attach(logging.FileHandler(path), gate=not all_ranks)

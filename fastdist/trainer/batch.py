@@ -1,0 +1,63 @@
+"""Moving batches to the device, feeding them to the model and reading named fields."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Copy every tensor in a (nested) dict, list or tuple batch to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def make_forward(model: nn.Module) -> Callable[[nn.Module, Any], Any]:
+    """Return ``forward(module, batch)`` that feeds a batch the way ``model`` expects it.
+
+    Dict batches go in as keyword arguments matched to the parameters of ``model.forward``
+    (all fields if it takes ``**kwargs``); tuple batches ``(x, ..., y)`` as ``module(x, ...)``;
+    a bare tensor as ``module(x)``.
+    """
+    params = inspect.signature(model.forward).parameters.values()
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params)
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+    def forward(module: nn.Module, batch: Any) -> Any:
+        if isinstance(batch, Mapping):
+            return module(**(batch if takes_all else {k: batch[k] for k in names & batch.keys()}))
+        if isinstance(batch, (list, tuple)):
+            return module(*batch[:-1]) if len(batch) > 1 else module(batch[0])
+        return module(batch)
+
+    return forward
+
+
+def window_weights(
+    n_samples: int, batch_size: int, update_every: int, drop_last: bool
+) -> list[float]:
+    """Loss weight of every micro-batch of an epoch so each update averages its samples.
+
+    Micro-batches are grouped into windows of ``update_every``; a micro-batch of ``s`` samples
+    in a window of ``n`` samples gets ``s / n``. A short last batch or a short last window is
+    thus weighted exactly as one big batch would be. Every rank has the same shard size (the
+    sampler pads or drops to make it so), hence the same windows, so DDP's mean over ranks
+    completes the global average without any extra communication.
+    """
+    sizes = [batch_size] * (n_samples // batch_size)
+    if n_samples % batch_size and not drop_last:
+        sizes.append(n_samples % batch_size)
+    weights: list[float] = []
+    for start in range(0, len(sizes), update_every):
+        window = sizes[start : start + update_every]
+        weights += [size / sum(window) for size in window]
+    return weights

@@ -1,0 +1,59 @@
+"""The trainer's scalar options as a typed, validated config.
+
+Validation runs before the process group starts, on every rank alike, so bad input fails the
+same way everywhere and never leaves a rank waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Options of :class:`~fastdist.DistTrainer`; see its docstring for their meaning."""
+
+    batch_size_per_gpu: int = 8
+    dev_batch_size_per_gpu: int | None = None
+    n_epochs: int = 1
+    update_every: int = 1
+    print_every: int = 10
+    validate_every: int = -1
+    num_workers: int = 0
+    drop_last: bool = False
+    metric_key: str | None = None
+    save_path: str | None = None
+    use_tqdm: bool = True
+    seed: int = 0
+    load_best_model: bool = True
+    find_unused_parameters: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size_per_gpu", "n_epochs", "update_every", "print_every"):
+            _check_int(name, getattr(self, name), minimum=1)
+        if self.dev_batch_size_per_gpu is not None:
+            _check_int("dev_batch_size_per_gpu", self.dev_batch_size_per_gpu, minimum=1)
+        _check_int("num_workers", self.num_workers, minimum=0)
+        _check_int("seed", self.seed, minimum=0)
+        _check_int("validate_every", self.validate_every, minimum=-1)
+        if self.validate_every == 0:
+            raise ValueError(
+                "validate_every=0 is not valid: use -1 to evaluate at the end of every epoch, "
+                "or N > 0 to evaluate every N optimizer updates"
+            )
+        if self.metric_key is not None and not isinstance(self.metric_key, str):
+            raise TypeError(
+                f"metric_key must be a str such as 'acc' or '-loss', got {self.metric_key!r}"
+            )
+        if self.save_path is not None and not isinstance(self.save_path, (str, os.PathLike)):
+            raise TypeError(f"save_path must be a directory path or None, got {self.save_path!r}")
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.dev_batch_size_per_gpu or self.batch_size_per_gpu
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -1,0 +1,83 @@
+"""Exact sharded evaluation: every dev sample is scored once, statistics reduced once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from fastdist.distributed import all_reduce_sum, get_rank, get_world_size
+from fastdist.metrics import Metric
+from fastdist.trainer.batch import to_device
+
+
+class ShardSampler(Sampler[int]):
+    """Indices ``rank, rank + world, ...`` of ``range(n)``: no shuffling, no padding duplicates.
+
+    Ranks may get one sample more or less than each other, which is why evaluation never goes
+    through DDP's forward (its collectives would then be unmatched).
+    """
+
+    def __init__(self, n: int, rank: int, world_size: int) -> None:
+        self.indices = range(rank, n, world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class Evaluator:
+    """Runs ``metrics`` over a dataset sharded across ranks; the result is the same everywhere."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        forward: Callable[[nn.Module, Any], Any],
+        metrics: Sequence[Metric],
+        device: torch.device,
+        batch_size: int,
+        num_workers: int = 0,
+        collate_fn: Callable | None = None,
+    ) -> None:
+        self.model = model
+        self.forward = forward
+        self.metrics = list(metrics)
+        self.device = device
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.collate_fn = collate_fn
+
+    @torch.no_grad()
+    def evaluate(self, data: Dataset) -> dict[str, float]:
+        """Score ``data`` (a map-style dataset) and return the flat ``{key: value}`` result."""
+        sampler = ShardSampler(len(data), get_rank(), get_world_size())  # type: ignore[arg-type]
+        loader = DataLoader(
+            data,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            collate_fn=self.collate_fn,
+        )
+        was_training = self.model.training
+        self.model.eval()
+        for metric in self.metrics:
+            metric.reset()
+        try:
+            for batch in loader:
+                batch = to_device(batch, self.device)
+                output = self.forward(self.model, batch)
+                for metric in self.metrics:
+                    metric.update(output, batch)
+        finally:
+            self.model.train(was_training)
+        states = [metric.state() for metric in self.metrics]
+        total = all_reduce_sum(torch.cat(states).to(self.device)).cpu()
+        result: dict[str, float] = {}
+        for metric, part in zip(self.metrics, total.split([len(s) for s in states]), strict=True):
+            result.update(metric.compute(part))
+        return result

@@ -1,0 +1,46 @@
+"""The small state object callbacks read instead of the trainer's internals."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class TrainerState:
+    """Where training is. ``global_step`` counts optimizer updates, not micro-batches.
+
+    Attributes:
+        epoch: current epoch, from 1.
+        global_step: optimizer updates done so far.
+        batch_idx: index of the current micro-batch within the epoch, from 0.
+        n_epochs: epochs to train.
+        total_steps: optimizer updates the whole run will make.
+        is_update: whether the current micro-batch ends an update window (its backward
+            all-reduces gradients and the optimizer steps after it).
+        loss: mean training loss over all ranks since the previous logging step.
+        eval_result: the latest evaluation result, e.g. ``{"acc": 0.93}``.
+        best_eval: the best evaluation result so far, with ``best_epoch`` and ``best_step``.
+        stop_requested: set by :meth:`DistTrainer.request_stop`; agreed across ranks.
+    """
+
+    epoch: int = 0
+    global_step: int = 0
+    batch_idx: int = 0
+    n_epochs: int = 0
+    total_steps: int = 0
+    is_update: bool = False
+    loss: float | None = None
+    eval_result: dict[str, float] | None = None
+    best_eval: dict[str, float] | None = None
+    best_epoch: int | None = None
+    best_step: int | None = None
+    stop_requested: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)

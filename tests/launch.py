@@ -1,0 +1,188 @@
+"""Launch test worker scripts under torchrun (or as a plain process) with a hard timeout.
+
+Every launch runs in its own session, with ``PYTHONPATH`` set so the worker can ``import
+fastdist`` and import modules from ``tests/``. On timeout every process of the launch is killed
+(torchrun starts each rank in a session of its own, so killing torchrun's group is not enough)
+and an ``AssertionError`` carries all the output captured so far.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+
+# Variables torchrun sets for its workers; a launch starts from an environment without them.
+TORCHRUN_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+# Marks every process of one launch (children inherit it) so a timeout can find them all.
+_TOKEN_VAR = "FASTDIST_TEST_LAUNCH"
+
+
+@dataclass(frozen=True)
+class Result:
+    """Exit status and captured output of a launch."""
+
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        """Stdout followed by stderr."""
+        return self.stdout + self.stderr
+
+    def describe(self) -> str:
+        """The command, exit status and both streams, for assertion messages."""
+        return (
+            f"command: {' '.join(self.args)}\nreturncode: {self.returncode}\n"
+            f"----- stdout -----\n{self.stdout}\n----- stderr -----\n{self.stderr}"
+        )
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_torchrun(
+    script: str | Path,
+    nproc: int,
+    args: Sequence[str] = (),
+    timeout: float = 120,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+    check: bool = True,
+) -> Result:
+    """Run ``script args`` under torchrun with ``nproc`` workers on 127.0.0.1.
+
+    Every rank's stdout and stderr go to torchrun's, so ``Result`` holds all ranks' output.
+    With ``check`` a non-zero exit raises ``AssertionError`` showing that output. A launch that
+    fails because the rendezvous port was taken meanwhile is retried once on another port.
+    """
+    for _attempt in range(2):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            "--nnodes=1",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+            "--max-restarts=0",
+            str(script),
+            *args,
+        ]
+        result = _run(cmd, timeout, env, cwd, check=False)
+        if result.returncode == 0 or "address already in use" not in result.output.lower():
+            break
+    return _checked(result, check)
+
+
+def run_python(
+    script: str | Path,
+    args: Sequence[str] = (),
+    timeout: float = 120,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+    check: bool = True,
+) -> Result:
+    """Run ``python script args`` as one plain process, with no torchrun variables set."""
+    return _run([sys.executable, str(script), *args], timeout, env, cwd, check)
+
+
+def _checked(result: Result, check: bool) -> Result:
+    if check and result.returncode != 0:
+        raise AssertionError(f"launch failed\n{result.describe()}")
+    return result
+
+
+def _launch_env(extra: Mapping[str, str] | None, token: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    path = [str(REPO_ROOT), str(TESTS_DIR)]
+    if env.get("PYTHONPATH"):
+        path.append(env["PYTHONPATH"])
+    env.update(
+        PYTHONPATH=os.pathsep.join(path),
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        **{_TOKEN_VAR: token},
+    )
+    env.update(extra or {})
+    return env
+
+
+def _run(
+    cmd: list[str],
+    timeout: float,
+    env: Mapping[str, str] | None,
+    cwd: str | Path | None,
+    check: bool,
+) -> Result:
+    """Run ``cmd`` in a new session; on timeout kill all its processes and raise."""
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_launch_env(env, token),
+        cwd=cwd if cwd is not None else REPO_ROOT,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_launch(proc, token)
+        stdout, stderr = proc.communicate(timeout=30)
+        result = Result(cmd, proc.returncode, stdout, stderr)
+        raise AssertionError(f"launch timed out after {timeout} s\n{result.describe()}") from None
+    except BaseException:  # KeyboardInterrupt, pytest-timeout: leave no process behind
+        _kill_launch(proc, token)
+        proc.wait()
+        raise
+    return _checked(Result(cmd, proc.returncode, stdout, stderr), check)
+
+
+def _kill_launch(proc: subprocess.Popen[str], token: str) -> None:
+    """SIGKILL the launch's process group and every process carrying its token."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    needle = f"{_TOKEN_VAR}={token}".encode()
+    proc_root = Path("/proc")  # Linux only; elsewhere the ranks outlive a timeout
+    for entry in proc_root.iterdir() if proc_root.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
