@@ -5,6 +5,7 @@ from fastdist.distributed.collectives import (
     all_reduce_sum,
     barrier,
     broadcast_object,
+    broadcast_tensors,
     rank_zero_first,
     rank_zero_only,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "all_reduce_sum",
     "barrier",
     "broadcast_object",
+    "broadcast_tensors",
     "default_backend",
     "get_local_rank",
     "get_rank",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -79,6 +79,13 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int = 0) -> None:
+    """Overwrite every tensor in place with rank ``src``'s values (internal)."""
+    if _several_processes():
+        for tensor in tensors:
+            dist.broadcast(tensor, src=src)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from fastdist.callbacks.callback import Callback, CallbackList
 from fastdist.distributed import (
     all_reduce_sum,
     broadcast_object,
+    broadcast_tensors,
     get_local_rank,
     get_rank,
     get_world_size,
@@ -344,13 +345,17 @@ class DistTrainer:
         data = self.dev_data if data is None else data
         if data is None or not self.metrics:
             raise ValueError("evaluate() needs metrics= and data (or dev_data=) on the trainer")
+        # Each rank's forward updated its own running statistics (batch norm); evaluate all
+        # shards with rank 0's, the buffers DDP would broadcast before the next forward.
+        with torch.no_grad():
+            broadcast_tensors(self.model.buffers())
         return self.evaluator.evaluate(data)
 
     def _validate(self) -> None:
         if self.dev_data is None:
             return
         self.callbacks.on_valid_begin()
-        result = self.evaluator.evaluate(self.dev_data)
+        result = self.evaluate(self.dev_data)
         state = self.state
         value = result[self.metric_key]
         best = None if state.best_eval is None else state.best_eval[self.metric_key]
@@ -391,10 +396,8 @@ class DistTrainer:
                 self.model.load_state_dict(best)
             elif self._best_state is not None:
                 self.model.load_state_dict(self._best_state)
-        if is_distributed():
-            with torch.no_grad():
-                for tensor in self.model.state_dict().values():
-                    torch.distributed.broadcast(tensor, src=0)
+        with torch.no_grad():
+            broadcast_tensors(self.model.state_dict().values())
         state = self.state
         logger.info("loaded the best model of epoch %d step %d", state.best_epoch, state.best_step)
 
