@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from fastdist.distributed.guard import no_collectives
+
 if TYPE_CHECKING:
     from fastdist.trainer.dist_trainer import DistTrainer
 
@@ -65,25 +67,51 @@ class Callback:
         """When training raises; the exception is re-raised afterwards."""
 
 
+HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
+
+
 class CallbackList:
-    """Runs ``callbacks_all`` on every rank, then ``callbacks_master`` on rank 0 only."""
+    """Runs ``callbacks_all`` on every rank, then ``callbacks_master`` on rank 0 only.
+
+    With ``guard_master``, a ``callbacks_master`` hook that calls a collective raises at once
+    instead of hanging the job. Hooks a callback does not override are skipped.
+    """
 
     def __init__(
         self,
         callbacks_all: Sequence[Callback],
         callbacks_master: Sequence[Callback],
         is_master: bool,
+        guard_master: bool = False,
     ) -> None:
         # The one place where the all/master split is decided.
-        self.callbacks = list(callbacks_all) + (list(callbacks_master) if is_master else [])
+        active = [(cb, False) for cb in callbacks_all]
+        if is_master:
+            active += [(cb, guard_master) for cb in callbacks_master]
+        self.callbacks = [cb for cb, _ in active]
+        self.hooks = {
+            hook: [
+                (getattr(cb, hook), f"{type(cb).__name__}.{hook}", guarded)
+                for cb, guarded in active
+                if getattr(type(cb), hook) is not getattr(Callback, hook)
+            ]
+            for hook in HOOKS
+        }
+        self.current: str | None = None  # the hook running now, for failure reports
 
     def set_trainer(self, trainer: DistTrainer) -> None:
         for cb in self.callbacks:
             cb.trainer = trainer
 
     def _call(self, hook: str, *args: Any) -> None:
-        for cb in self.callbacks:
-            getattr(cb, hook)(*args)
+        for method, where, guarded in self.hooks[hook]:
+            self.current = where
+            if guarded:
+                with no_collectives(f"callbacks_master hook {where}"):
+                    method(*args)
+            else:
+                method(*args)
+        self.current = None
 
     def on_train_begin(self) -> None:
         self._call("on_train_begin")

@@ -12,6 +12,7 @@ from fastdist.distributed.collectives import (
 from fastdist.distributed.env import (
     default_backend,
     get_local_rank,
+    get_node_rank,
     get_rank,
     get_world_size,
     init_distributed,
@@ -27,6 +28,7 @@ __all__ = [
     "broadcast_tensors",
     "default_backend",
     "get_local_rank",
+    "get_node_rank",
     "get_rank",
     "get_world_size",
     "init_distributed",

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from fastdist.distributed.env import ensure_group, get_local_rank, get_rank, get_world_size
+from fastdist.distributed.env import (
+    ensure_group,
+    get_local_rank,
+    get_node_rank,
+    get_rank,
+    get_world_size,
+)
+from fastdist.logging import logger
 
 T = TypeVar("T")
 
@@ -26,26 +35,60 @@ def barrier() -> None:
         dist.barrier()
 
 
+_rank_zero_first_calls = itertools.count()
+
+
 @contextlib.contextmanager
-def rank_zero_first(local: bool = True) -> Iterator[None]:
+def rank_zero_first(local: bool = True, log_every: float = 30.0) -> Iterator[None]:
     """Run the block on rank 0 first while the other ranks wait, then on the others.
 
     The usual use is data preparation: rank 0 downloads or builds a cache, the others read it.
+    The waiting ranks poll the rendezvous store rather than sit in a collective, so rank 0 may
+    take longer than the collective timeout; they log a line every ``log_every`` seconds. If
+    rank 0 raises inside the block, the waiting ranks raise too, within a fraction of a second,
+    with rank 0's error.
 
     Args:
         local: let local rank 0 of every node go first (a cache on node-local disk);
             ``False`` lets only global rank 0 go first (a cache on a shared filesystem).
+        log_every: seconds between "waiting for rank 0" lines on the waiting ranks.
 
     Example:
         >>> with rank_zero_first():
         ...     data = build_or_load_cached("cache/")
     """
+    if not _several_processes():
+        yield
+        return
+    call = next(_rank_zero_first_calls)  # every rank makes the same sequence of calls
     first = (get_local_rank() if local else get_rank()) == 0
+    who = f"local rank 0 of node {get_node_rank()}" if local else "rank 0"
+    key = f"fastdist/rank_zero_first/{call}/{get_node_rank() if local else 'all'}"
+    store = dist.distributed_c10d._get_default_store()  # the rendezvous store
     if not first:
-        barrier()
-    yield
-    if first:
-        barrier()
+        _wait_for_key(store, key, who, log_every)
+        yield
+        return
+    try:
+        yield
+    except BaseException as exc:
+        store.set(key, f"error: {type(exc).__name__}: {exc}")
+        raise
+    store.set(key, "done")
+
+
+def _wait_for_key(store: Any, key: str, who: str, log_every: float) -> None:
+    start = last_line = time.monotonic()
+    while not store.check([key]):
+        time.sleep(0.05)
+        if time.monotonic() - last_line >= log_every:
+            last_line = time.monotonic()
+            logger.warning(
+                "waiting for %s to finish rank_zero_first (%.0f s)", who, last_line - start
+            )
+    value = store.get(key).decode()
+    if value != "done":
+        raise RuntimeError(f"{who} failed inside rank_zero_first, so this rank stops: {value}")
 
 
 def rank_zero_only(fn: Callable[..., T]) -> Callable[..., T | None]:
@@ -63,33 +106,33 @@ def rank_zero_only(fn: Callable[..., T]) -> Callable[..., T | None]:
     return wrapper
 
 
-def all_gather_object(obj: Any) -> list[Any]:
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     """Return the list of ``obj`` from every rank, indexed by rank (picklable objects)."""
     if not _several_processes():
         return [obj]
     gathered: list[Any] = [None] * get_world_size()
-    dist.all_gather_object(gathered, obj)
+    dist.all_gather_object(gathered, obj, group=group)
     return gathered
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     """Return rank ``src``'s ``obj`` on every rank (picklable objects)."""
     if not _several_processes():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
-def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int = 0) -> None:
+def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int = 0, group: Any = None) -> None:
     """Overwrite every tensor in place with rank ``src``'s values (internal)."""
     if _several_processes():
         for tensor in tensors:
-            dist.broadcast(tensor, src=src)
+            dist.broadcast(tensor, src=src, group=group)
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Sum ``tensor`` over all ranks in place and return it (internal, one collective)."""
     if _several_processes():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor

@@ -41,6 +41,12 @@ def get_local_rank() -> int:
     return _env_int("LOCAL_RANK", 0)
 
 
+def get_node_rank() -> int:
+    """Index of this process's node (torchrun's ``GROUP_RANK``; 0 on one node)."""
+    local_world = _env_int("LOCAL_WORLD_SIZE", get_world_size())
+    return _env_int("GROUP_RANK", get_rank() // max(local_world, 1))
+
+
 def is_master() -> bool:
     """Whether this is global rank 0, the process that writes logs, models and files."""
     return get_rank() == 0

@@ -28,6 +28,9 @@ class TrainerConfig:
     seed: int = 0
     load_best_model: bool = True
     find_unused_parameters: bool = False
+    timeout: float | None = None
+    on_nonfinite: str = "raise"
+    check_sync_every: int = 0
 
     def __post_init__(self) -> None:
         for name in ("batch_size_per_gpu", "n_epochs", "update_every", "print_every"):
@@ -42,6 +45,15 @@ class TrainerConfig:
                 "validate_every=0 is not valid: use -1 to evaluate at the end of every epoch, "
                 "or N > 0 to evaluate every N optimizer updates"
             )
+        _check_int("check_sync_every", self.check_sync_every, minimum=0)
+        if self.timeout is not None and not (
+            isinstance(self.timeout, (int, float)) and self.timeout > 0
+        ):
+            raise ValueError(
+                f"timeout must be a number of seconds > 0 or None, got {self.timeout!r}"
+            )
+        if self.on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {self.on_nonfinite!r}")
         if self.metric_key is not None and not isinstance(self.metric_key, str):
             raise TypeError(
                 f"metric_key must be a str such as 'acc' or '-loss', got {self.metric_key!r}"

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
@@ -16,22 +18,25 @@ from tqdm import tqdm
 
 from fastdist.callbacks.callback import Callback, CallbackList
 from fastdist.distributed import (
+    all_gather_object,
     all_reduce_sum,
     broadcast_object,
     broadcast_tensors,
-    get_local_rank,
     get_rank,
     get_world_size,
     init_distributed,
     is_distributed,
 )
+from fastdist.distributed.position import PositionBoard
 from fastdist.logging import logger
 from fastdist.losses import as_loss_fn
 from fastdist.metrics import Metric
+from fastdist.trainer import validation
 from fastdist.trainer.batch import make_forward, to_device, window_weights
 from fastdist.trainer.checkpoint import atomic_save
 from fastdist.trainer.config import TrainerConfig
 from fastdist.trainer.evaluator import Evaluator
+from fastdist.trainer.failure import install_excepthook, report_failure
 from fastdist.trainer.state import TrainerState
 
 
@@ -68,6 +73,12 @@ class DistTrainer:
         seed: seed of the shuffled order of the training data (the same on every rank).
         load_best_model: load the best evaluated weights into ``model`` when training ends.
         find_unused_parameters: passed to ``DistributedDataParallel``.
+        timeout: seconds any collective of the trainer may wait before every rank reports
+            where each rank is and exits; default torch's (30 minutes).
+        on_nonfinite: ``"raise"`` or ``"skip"`` when a loss or gradient is NaN/Inf; every
+            rank sees the same all-reduced gradients, so every rank decides the same.
+        check_sync_every: every N updates (and at the end) compare a checksum of the
+            parameters across ranks and raise on the first that differs; 0 turns it off.
 
     Example:
         >>> trainer = DistTrainer(train_data, model, optimizer, loss=CrossEntropyLoss(),
@@ -102,6 +113,9 @@ class DistTrainer:
         seed: int = 0,
         load_best_model: bool = True,
         find_unused_parameters: bool = False,
+        timeout: float | None = None,
+        on_nonfinite: str = "raise",
+        check_sync_every: int = 0,
     ) -> None:
         # 1. Validate everything, identically on every rank, before any collective.
         self.config = TrainerConfig(
@@ -119,25 +133,30 @@ class DistTrainer:
             seed=seed,
             load_best_model=load_best_model,
             find_unused_parameters=find_unused_parameters,
+            timeout=timeout,
+            on_nonfinite=on_nonfinite,
+            check_sync_every=check_sync_every,
         )
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        _check_dataset("train_data", train_data)
+        validation.check_dataset("train_data", train_data)
         if dev_data is not None:
-            _check_dataset("dev_data", dev_data)
+            validation.check_dataset("dev_data", dev_data)
         if sampler is not None and not hasattr(sampler, "__len__"):
             raise TypeError("sampler must have __len__ (the number of samples of this rank)")
-        self.metrics = _as_metric_list(metrics)
+        self.metrics = validation.as_metric_list(metrics)
         if dev_data is not None and not self.metrics:
             raise ValueError("dev_data needs metrics=: pass e.g. metrics=AccuracyMetric()")
-        self.metric_key, self.larger_better = _resolve_metric_key(metric_key, self.metrics)
+        self.metric_key, self.larger_better = validation.resolve_metric_key(
+            metric_key, self.metrics
+        )
         if optimizer is None:
             optimizer = torch.optim.Adam(model.parameters(), lr=4e-3)
-        _check_optimizer(optimizer, model)
-        callbacks_all = _check_callbacks("callbacks_all", callbacks_all)
-        callbacks_master = _check_callbacks("callbacks_master", callbacks_master)
+        validation.check_optimizer(optimizer, model)
+        callbacks_all = validation.check_callbacks("callbacks_all", callbacks_all)
+        callbacks_master = validation.check_callbacks("callbacks_master", callbacks_master)
         self.loss_fn = as_loss_fn(loss)
-        self.device = _resolve_device(device)
+        self.device = validation.resolve_device(device)
 
         # 2. Process group, model placement and DDP.
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -145,6 +164,12 @@ class DistTrainer:
             init_distributed(backend=backend)
         self.rank, self.world_size = get_rank(), get_world_size()
         self.is_master = self.rank == 0
+        install_excepthook()
+        self.board = PositionBoard(self.rank, self.world_size)
+        # A group of our own bounds every wait of the trainer by ``timeout``.
+        self.group = None
+        if is_distributed() and timeout is not None:
+            self.group = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
         self.model = model.to(self.device)
         self.optimizer = optimizer
         self.ddp_model: nn.Module = self.model
@@ -153,6 +178,7 @@ class DistTrainer:
                 self.model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 find_unused_parameters=find_unused_parameters,
+                process_group=self.group,
             )
         self.forward = make_forward(self.model)
 
@@ -190,15 +216,21 @@ class DistTrainer:
             self.config.eval_batch_size,
             num_workers,
             collate_fn,
+            self.group,
         )
-        self.callbacks = CallbackList(callbacks_all, callbacks_master, self.is_master)
+        self._check_even_shards()
+        self.callbacks = CallbackList(
+            callbacks_all, callbacks_master, self.is_master, guard_master=is_distributed()
+        )
         self.callbacks.set_trainer(self)
         steps_per_epoch = -(-len(self.weights) // update_every)
         self.state = TrainerState(n_epochs=n_epochs, total_steps=n_epochs * steps_per_epoch)
         self.best_model_path: str | None = None
         self._best_state: dict[str, torch.Tensor] | None = None
-        self._loss_sum = torch.zeros((), device=self.device)
+        self._loss_sum = torch.zeros((), device=self.device)  # since the last log line
         self._loss_count = 0
+        self._window_loss = torch.zeros((), device=self.device)  # of the current update
+        self._window_count = 0
         self._bar: tqdm | None = None
 
     def train(self) -> dict[str, Any]:
@@ -225,9 +257,12 @@ class DistTrainer:
             self._bar = tqdm(total=self.state.total_steps, disable=None, dynamic_ncols=True)
         try:
             self._loop()
+            if self.config.check_sync_every:
+                self._check_in_sync()
             if self.config.load_best_model and self.state.best_eval is not None:
                 self._load_best()
-        except BaseException as exc:
+        except Exception as exc:
+            report_failure(exc, self._where(), self.config.timeout)
             self.callbacks.on_exception(exc)
             raise
         finally:
@@ -240,13 +275,15 @@ class DistTrainer:
             "steps": self.state.global_step,
             "seconds": round(time.time() - start, 3),
         }
-        return broadcast_object(result)
+        self.board.publish(phase="finished")
+        return broadcast_object(result, group=self.group)
 
     def _loop(self) -> None:
         state, cfg, callbacks = self.state, self.config, self.callbacks
         callbacks.on_train_begin()
         for epoch in range(state.epoch + 1, cfg.n_epochs + 1):
             state.epoch = epoch
+            self.board.publish(epoch=epoch, step=state.global_step, phase="train")
             if hasattr(self.sampler, "set_epoch"):
                 self.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on all ranks
             callbacks.on_epoch_begin()
@@ -264,8 +301,7 @@ class DistTrainer:
                     callbacks.on_backward_begin(loss)
                     (loss * self.weights[batch_idx]).backward()
                 callbacks.on_backward_end()
-                if state.is_update:
-                    self._optimizer_step()
+                if state.is_update and self._optimizer_step():
                     callbacks.on_step_end()
                     every = cfg.validate_every
                     validate = every > 0 and state.global_step % every == 0
@@ -287,12 +323,78 @@ class DistTrainer:
         n = batch_idx + 1
         return n % self.config.update_every == 0 or n == len(self.weights)
 
-    def _optimizer_step(self) -> None:
-        self.optimizer.step()
+    def _optimizer_step(self) -> bool:
+        """Step unless the gradients are non-finite (``on_nonfinite="skip"``); say if it did."""
+        state = self.state
+        finite = self._gradients_finite()
+        if finite:
+            self.optimizer.step()
+            self._loss_sum += self._window_loss
+            self._loss_count += self._window_count
         self.optimizer.zero_grad(set_to_none=True)
-        self.state.global_step += 1
+        self._window_loss.zero_()
+        self._window_count = 0
+        if not finite:
+            state.skipped_steps += 1
+            return False
+        state.global_step += 1
         if self._bar is not None:
             self._bar.update()
+        every = self.config.check_sync_every
+        if every and state.global_step % every == 0:
+            self._check_in_sync()
+        return True
+
+    def _gradients_finite(self) -> bool:
+        """Whether the all-reduced gradients are finite: the same answer on every rank.
+
+        A NaN/Inf loss on any rank makes the averaged gradients non-finite everywhere, so no
+        extra collective is needed to agree; only then do the ranks compare their own losses
+        to name the culprit. One host read per update, none per micro-batch.
+        """
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads or torch.isfinite(torch.nn.utils.get_total_norm(grads)).item():
+            return True
+        local_ok = bool(torch.isfinite(self._window_loss).item())
+        culprits = [r for r, ok in enumerate(all_gather_object(local_ok, self.group)) if not ok]
+        where = f"epoch {self.state.epoch} update {self.state.global_step + 1}"
+        message = (
+            f"non-finite loss or gradient at {where}; ranks with a non-finite loss: {culprits}"
+        )
+        if self.config.on_nonfinite == "raise":
+            raise FloatingPointError(message + " (on_nonfinite='skip' skips such updates)")
+        logger.warning("%s: skipping this update on every rank", message)
+        return False
+
+    def _check_in_sync(self) -> None:
+        """Compare per-parameter checksums across ranks; raise on the first that differs."""
+        names = [name for name, _ in self.model.named_parameters()]
+        sums = [float(p.detach().double().sum()) for p in self.model.parameters()]
+        everyone = all_gather_object(sums, self.group)
+        for i, name in enumerate(names):
+            values = [rank_sums[i] for rank_sums in everyone]
+            if len(set(values)) > 1:
+                raise RuntimeError(
+                    f"parameter {name!r} differs across ranks at step {self.state.global_step} "
+                    f"(checksums by rank: {values}): code running on some ranks only (e.g. in "
+                    "callbacks_master) changed the model; change it in callbacks_all instead"
+                )
+
+    def _check_even_shards(self) -> None:
+        """Ranks with different numbers of batches would hang in DDP: refuse up front."""
+        counts = all_gather_object(len(self.train_loader), self.group)
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"the training sampler gives the ranks different numbers of batches per epoch "
+                f"({counts}, by rank): DDP would hang when one rank runs out. Use the default "
+                "DistributedSampler (sampler=None) or make every rank's shard the same size"
+            )
+
+    def _where(self) -> PositionBoard:
+        """The board with this rank's precise position filled in (for failure reports)."""
+        state = self.state
+        self.board.move(epoch=state.epoch, step=state.global_step, hook=self.callbacks.current)
+        return self.board
 
     def _no_sync(self) -> contextlib.AbstractContextManager:
         if isinstance(self.ddp_model, DistributedDataParallel):
@@ -307,8 +409,8 @@ class DistTrainer:
                 f"loss must return a scalar tensor (the mean over the micro-batch), got {shape}: "
                 "reduce it inside the loss, e.g. with .mean()"
             )
-        self._loss_sum += loss.detach()
-        self._loss_count += 1
+        self._window_loss += loss.detach()
+        self._window_count += 1
         return loss
 
     def request_stop(self) -> None:
@@ -317,10 +419,12 @@ class DistTrainer:
 
     def _sync_and_log(self) -> bool:
         """One all-reduce of (loss sum, count, stop flag); log the loss; return agreed stop."""
+        self.board.publish(step=self.state.global_step, phase="sync")
         flags = [0.0, self._loss_count, float(self.state.stop_requested)]
         stats = torch.tensor(flags, dtype=torch.float64, device=self.device)
         stats[0] = self._loss_sum
-        loss_sum, count, stop = all_reduce_sum(stats).tolist()
+        loss_sum, count, stop = all_reduce_sum(stats, self.group).tolist()
+        self.board.move(phase="train")
         if count:
             self.state.loss = loss_sum / count
             self._loss_sum.zero_()
@@ -347,9 +451,12 @@ class DistTrainer:
             raise ValueError("evaluate() needs metrics= and data (or dev_data=) on the trainer")
         # Each rank's forward updated its own running statistics (batch norm); evaluate all
         # shards with rank 0's, the buffers DDP would broadcast before the next forward.
+        self.board.publish(phase="evaluate")
         with torch.no_grad():
-            broadcast_tensors(self.model.buffers())
-        return self.evaluator.evaluate(data)
+            broadcast_tensors(self.model.buffers(), group=self.group)
+        result = self.evaluator.evaluate(data)
+        self.board.move(phase="train")
+        return result
 
     def _validate(self) -> None:
         if self.dev_data is None:
@@ -397,72 +504,6 @@ class DistTrainer:
             elif self._best_state is not None:
                 self.model.load_state_dict(self._best_state)
         with torch.no_grad():
-            broadcast_tensors(self.model.state_dict().values())
+            broadcast_tensors(self.model.state_dict().values(), group=self.group)
         state = self.state
         logger.info("loaded the best model of epoch %d step %d", state.best_epoch, state.best_step)
-
-
-def _check_dataset(name: str, data: Any) -> None:
-    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
-        raise TypeError(f"{name} must be a map-style dataset (with __len__ and __getitem__)")
-    if len(data) == 0:
-        raise ValueError(f"{name} is empty: it must hold at least one sample")
-
-
-def _as_metric_list(metrics: Metric | Sequence[Metric] | None) -> list[Metric]:
-    if metrics is None:
-        return []
-    items = [metrics] if isinstance(metrics, Metric) else list(metrics)
-    seen: dict[str, str] = {}
-    for metric in items:
-        if not isinstance(metric, Metric):
-            raise TypeError(f"metrics must be fastdist Metric objects, got {type(metric).__name__}")
-        for key in metric.keys:
-            if key in seen:
-                name = type(metric).__name__
-                raise ValueError(f"metrics {seen[key]} and {name} both report {key!r}")
-            seen[key] = type(metric).__name__
-    return items
-
-
-def _resolve_metric_key(metric_key: str | None, metrics: list[Metric]) -> tuple[str, bool]:
-    """Return ``(key, larger_is_better)``; a leading ``-`` means lower is better."""
-    keys = [key for metric in metrics for key in metric.keys]
-    if metric_key is None:
-        return (keys[0] if keys else ""), True
-    key = metric_key[1:] if metric_key.startswith("-") else metric_key
-    if key not in keys:
-        raise ValueError(
-            f"metric_key={metric_key!r} is not produced by the metrics, which report {keys}"
-        )
-    return key, not metric_key.startswith("-")
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        name = type(optimizer).__name__
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {name}")
-    own = {id(p) for p in model.parameters()}
-    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
-    if foreign:
-        raise ValueError(
-            f"optimizer holds {foreign} tensor(s) that are not parameters of model: build it from "
-            "this model after creating the model, e.g. torch.optim.AdamW(model.parameters())"
-        )
-
-
-def _check_callbacks(name: str, callbacks: Sequence[Callback] | None) -> list[Callback]:
-    items = list(callbacks or [])
-    for cb in items:
-        if not isinstance(cb, Callback):
-            raise TypeError(f"{name} must hold fastdist Callback objects, got {type(cb).__name__}")
-    return items
-
-
-def _resolve_device(device: str | torch.device | None) -> torch.device:
-    if device in (None, "auto"):
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and resolved.index is None:
-        resolved = torch.device("cuda", get_local_rank())
-    return resolved

@@ -43,6 +43,7 @@ class Evaluator:
         batch_size: int,
         num_workers: int = 0,
         collate_fn: Callable | None = None,
+        group: Any = None,
     ) -> None:
         self.model = model
         self.forward = forward
@@ -51,6 +52,7 @@ class Evaluator:
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.collate_fn = collate_fn
+        self.group = group
 
     @torch.no_grad()
     def evaluate(self, data: Dataset) -> dict[str, float]:
@@ -76,7 +78,7 @@ class Evaluator:
         finally:
             self.model.train(was_training)
         states = [metric.state() for metric in self.metrics]
-        total = all_reduce_sum(torch.cat(states).to(self.device)).cpu()
+        total = all_reduce_sum(torch.cat(states).to(self.device), self.group).cpu()
         result: dict[str, float] = {}
         for metric, part in zip(self.metrics, total.split([len(s) for s in states]), strict=True):
             result.update(metric.compute(part))

@@ -13,6 +13,7 @@ class TrainerState:
     Attributes:
         epoch: current epoch, from 1.
         global_step: optimizer updates done so far.
+        skipped_steps: updates skipped for non-finite gradients (``on_nonfinite="skip"``).
         batch_idx: index of the current micro-batch within the epoch, from 0.
         n_epochs: epochs to train.
         total_steps: optimizer updates the whole run will make.
@@ -26,6 +27,7 @@ class TrainerState:
 
     epoch: int = 0
     global_step: int = 0
+    skipped_steps: int = 0
     batch_idx: int = 0
     n_epochs: int = 0
     total_steps: int = 0

@@ -1,0 +1,58 @@
+"""Turning a failure on one rank into one readable report per rank, printed once."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch.distributed as dist
+
+from fastdist.distributed.position import PositionBoard
+from fastdist.logging import logger
+
+# What gloo and nccl put in the message of a collective that timed out or lost a peer.
+_COLLECTIVE_MARKERS = ("Timed out", "timed out", "Connection closed by peer", "Connection reset")
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came from a collective (timeout, lost peer) rather than this rank's code."""
+    return isinstance(exc, dist.DistError) or (
+        isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COLLECTIVE_MARKERS)
+    )
+
+
+def report_failure(exc: BaseException, board: PositionBoard, timeout: float | None) -> None:
+    """Log where every rank is and what failed, once; the traceback only where it started.
+
+    A rank whose own code raised logs the error with its traceback; a rank whose collective
+    failed (a peer died, or the timeout expired) logs the collective error and the positions,
+    which usually name the rank that is elsewhere.
+    """
+    summary = f"{type(exc).__name__}: {exc}".strip()
+    board.publish(failed=summary[:300])
+    if is_collective_failure(exc):
+        limit = f"{timeout:g} s (DistTrainer(timeout=...))" if timeout else "the group's timeout"
+        headline = f"a collective failed on rank {board.rank} (waits are bounded by {limit})"
+        logger.error("%s: %s\n%s", headline, summary, board.report())
+    else:
+        logger.error("rank %d raised %s\n%s", board.rank, summary, board.report(), exc_info=exc)
+    exc.fastdist_reported = True  # type: ignore[attr-defined]
+
+
+def _excepthook(
+    kind: type[BaseException], exc: BaseException, tb: types.TracebackType | None
+) -> None:
+    if getattr(exc, "fastdist_reported", False):
+        return  # already logged with its rank, position and traceback
+    _previous_excepthook(kind, exc, tb)
+
+
+_previous_excepthook = sys.excepthook
+
+
+def install_excepthook() -> None:
+    """Keep Python from printing a traceback fastdist already reported (idempotent)."""
+    if sys.excepthook is not _excepthook:
+        global _previous_excepthook
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _excepthook

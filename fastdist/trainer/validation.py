@@ -1,0 +1,79 @@
+"""Checks of DistTrainer's arguments, run on every rank before any collective."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastdist.callbacks.callback import Callback
+from fastdist.distributed import get_local_rank
+from fastdist.metrics import Metric
+
+
+def check_dataset(name: str, data: Any) -> None:
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise TypeError(f"{name} must be a map-style dataset (with __len__ and __getitem__)")
+    if len(data) == 0:
+        raise ValueError(f"{name} is empty: it must hold at least one sample")
+
+
+def as_metric_list(metrics: Metric | Sequence[Metric] | None) -> list[Metric]:
+    if metrics is None:
+        return []
+    items = [metrics] if isinstance(metrics, Metric) else list(metrics)
+    seen: dict[str, str] = {}
+    for metric in items:
+        if not isinstance(metric, Metric):
+            raise TypeError(f"metrics must be fastdist Metric objects, got {type(metric).__name__}")
+        for key in metric.keys:
+            if key in seen:
+                name = type(metric).__name__
+                raise ValueError(f"metrics {seen[key]} and {name} both report {key!r}")
+            seen[key] = type(metric).__name__
+    return items
+
+
+def resolve_metric_key(metric_key: str | None, metrics: list[Metric]) -> tuple[str, bool]:
+    """Return ``(key, larger_is_better)``; a leading ``-`` means lower is better."""
+    keys = [key for metric in metrics for key in metric.keys]
+    if metric_key is None:
+        return (keys[0] if keys else ""), True
+    key = metric_key[1:] if metric_key.startswith("-") else metric_key
+    if key not in keys:
+        raise ValueError(
+            f"metric_key={metric_key!r} is not produced by the metrics, which report {keys}"
+        )
+    return key, not metric_key.startswith("-")
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        name = type(optimizer).__name__
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {name}")
+    own = {id(p) for p in model.parameters()}
+    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
+    if foreign:
+        raise ValueError(
+            f"optimizer holds {foreign} tensor(s) that are not parameters of model: build it from "
+            "this model after creating the model, e.g. torch.optim.AdamW(model.parameters())"
+        )
+
+
+def check_callbacks(name: str, callbacks: Sequence[Callback] | None) -> list[Callback]:
+    items = list(callbacks or [])
+    for cb in items:
+        if not isinstance(cb, Callback):
+            raise TypeError(f"{name} must hold fastdist Callback objects, got {type(cb).__name__}")
+    return items
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device in (None, "auto"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", get_local_rank())
+    return resolved

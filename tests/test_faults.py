@@ -1,0 +1,120 @@
+"""Every desync or failure on one rank ends the whole 2-rank job with a clear, bounded error.
+
+Each test launches tests/workers/fault_worker.py with one fault, under torchrun with a
+collective timeout of 8 s, and checks the exit code, the time it took and the words of the
+report (which rank, where).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from launch import Result, run_torchrun
+
+WORKER = Path(__file__).resolve().parent / "workers" / "fault_worker.py"
+TIMEOUT = 8.0  # fault_worker.TIMEOUT
+BOUND = TIMEOUT + 30  # the job must be over this long after the fault at the latest
+
+
+def _launch(case: str, tmp_path: Path) -> tuple[Result, float]:
+    start = time.monotonic()
+    result = run_torchrun(WORKER, nproc=2, args=[case, str(tmp_path)], timeout=120, check=False)
+    return result, time.monotonic() - start
+
+
+def _failed(case: str, tmp_path: Path) -> str:
+    result, seconds = _launch(case, tmp_path)
+    assert result.returncode != 0, result.describe()
+    assert seconds < BOUND + 15, f"took {seconds:.0f} s\n{result.describe()}"  # + start-up
+    return result.output
+
+
+def _ranks(tmp_path: Path) -> list[dict]:
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case, call", [("master_barrier", "barrier"), ("master_all_reduce", "all_reduce")]
+)
+def test_collective_in_master_callback_raises_at_once(case: str, call: str, tmp_path: Path) -> None:
+    output = _failed(case, tmp_path)
+    assert "[rank 0] rank 0 raised CollectiveInMasterCallbackError" in output
+    assert f"callbacks_master hook AtStep.on_step_end called torch.distributed.{call}()" in output
+    assert "Move this callback to callbacks_all" in output
+    assert "Timed out" not in output  # raised at once, not after the timeout
+
+
+@pytest.mark.slow
+def test_exception_on_one_rank_stops_all_with_one_tagged_traceback(tmp_path: Path) -> None:
+    output = _failed("raise_forward", tmp_path)
+    assert "[rank 1] rank 1 raised ValueError: boom in forward on purpose" in output
+    assert output.count('in forward\n    raise ValueError("boom in forward on purpose")') == 1
+    assert "rank 1 (this rank): epoch 1, step 2, phase train" in output  # 3rd forward
+
+
+@pytest.mark.slow
+def test_timeout_reports_every_ranks_position(tmp_path: Path) -> None:
+    output = _failed("timeout", tmp_path)
+    assert "a collective failed on rank 0 (waits are bounded by 8 s" in output
+    assert "Timed out" in output
+    assert "rank 0 (this rank): epoch 1, step 2" in output
+    assert "rank 1: epoch 1, step 1, phase sync (published" in output
+    assert "ranks not at this rank's position: [1]" in output
+
+
+@pytest.mark.slow
+def test_rank_zero_first_error_stops_the_waiting_ranks(tmp_path: Path) -> None:
+    result, seconds = _launch("rzf_raise", tmp_path)
+    assert result.returncode != 0
+    assert seconds < 30, result.describe()  # seconds, not the collective timeout
+    assert (
+        "local rank 0 of node 0 failed inside rank_zero_first, so this rank stops" in result.output
+    )
+    assert "OSError: rank 0 could not build the cache" in result.output
+
+
+@pytest.mark.slow
+def test_rank_zero_first_outlasts_the_collective_timeout(tmp_path: Path) -> None:
+    result, _ = _launch("rzf_slow", tmp_path)
+    assert result.returncode == 0, result.describe()
+    assert "[rank 1] waiting for local rank 0 of node 0 to finish rank_zero_first" in result.output
+    assert all(r["ok"] for r in _ranks(tmp_path))
+
+
+@pytest.mark.slow
+def test_nonfinite_loss_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    output = _failed("nan_raise", tmp_path)
+    for rank in (0, 1):
+        assert f"[rank {rank}] rank {rank} raised FloatingPointError: non-finite loss" in output
+    assert "ranks with a non-finite loss: [1]" in output
+
+
+@pytest.mark.slow
+def test_nonfinite_loss_on_one_rank_is_skipped_by_every_rank(tmp_path: Path) -> None:
+    result, _ = _launch("nan_skip", tmp_path)
+    assert result.returncode == 0, result.describe()
+    ranks = _ranks(tmp_path)
+    assert [r["skipped"] for r in ranks] == [1, 1]
+    assert [r["steps"] for r in ranks] == [7, 7]  # 8 windows, one skipped
+    assert "ranks with a non-finite loss: [1]: skipping this update" in result.output
+
+
+@pytest.mark.slow
+def test_master_callback_changing_the_model_is_caught(tmp_path: Path) -> None:
+    output = _failed("master_edit_weight", tmp_path)
+    # Edited in on_step_end of update 2, after that update's check: caught at update 3.
+    assert "parameter 'linear.weight' differs across ranks at step 3" in output
+    assert "[rank 1] rank 1 raised RuntimeError: parameter 'linear.weight'" in output
+
+
+@pytest.mark.slow
+def test_uneven_batches_are_refused_before_training(tmp_path: Path) -> None:
+    output = _failed("uneven", tmp_path)
+    message = "ValueError: the training sampler gives the ranks different numbers of batches"
+    for rank in (0, 1):
+        assert f"[rank{rank}]: {message} per epoch ([16, 8], by rank)" in output
+    assert "epoch 1 step" not in output  # no training started

@@ -1,0 +1,127 @@
+"""Faults a distributed job must turn into clear errors: ``fault_worker.py CASE OUT_DIR``.
+
+Each case trains a tiny model on 2 ranks with ``timeout=TIMEOUT`` and injects one fault; rank
+results (when a rank survives) go to ``OUT_DIR/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Sampler, TensorDataset
+
+import fastdist
+from fastdist import DistTrainer, get_rank
+from fastdist.callbacks import Callback
+
+TIMEOUT = 8.0
+
+
+class Net(nn.Module):
+    """A linear model that can raise or return NaN on one rank at one forward call."""
+
+    def __init__(self, fault: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+        self.fault = fault
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.training and get_rank() == 1 and self.calls == 3:
+            if self.fault == "raise_forward":
+                raise ValueError("boom in forward on purpose")
+            if self.fault.startswith("nan"):
+                return self.linear(x) * float("nan")
+        return self.linear(x)
+
+
+class AtStep(Callback):
+    """Runs ``action(trainer)`` in on_step_end when global_step reaches ``step``."""
+
+    def __init__(self, step: int, action) -> None:  # type: ignore[no-untyped-def]
+        self.step = step
+        self.action = action
+
+    def on_step_end(self) -> None:
+        if self.trainer.state.global_step == self.step:
+            self.action(self.trainer)
+
+
+class FirstRanksLonger(Sampler[int]):
+    """A user sampler that gives rank 0 more samples than rank 1."""
+
+    def __init__(self, rank: int) -> None:
+        self.indices = list(range(0, 64 if rank == 0 else 32))
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def _edit_weight(trainer: DistTrainer) -> None:
+    with torch.no_grad():
+        trainer.model.linear.weight.add_(1.0)
+
+
+def _sleep_on_rank_1(trainer: DistTrainer) -> None:
+    if get_rank() == 1:
+        time.sleep(4 * TIMEOUT)
+
+
+def main(case: str, out: Path) -> None:
+    fastdist.set_seed(0)
+    if case.startswith("rzf"):
+        fastdist.init_distributed(timeout=TIMEOUT)
+        with fastdist.rank_zero_first(log_every=1.0):
+            if get_rank() == 0:
+                if case == "rzf_raise":
+                    raise OSError("rank 0 could not build the cache")
+                time.sleep(TIMEOUT + 3)  # longer than any collective may wait
+        fastdist.barrier()
+        (out / f"rank{get_rank()}.json").write_text(json.dumps({"ok": True}))
+        return
+
+    x = torch.randn(64, 4)
+    data = TensorDataset(x, x.sum(dim=1, keepdim=True))
+    model = Net(case)
+    callbacks_all, callbacks_master = [], []
+    if case == "master_barrier":
+        callbacks_master.append(AtStep(2, lambda t: fastdist.barrier()))
+    if case == "master_all_reduce":
+        callbacks_master.append(AtStep(2, lambda t: dist.all_reduce(torch.ones(1))))
+    if case == "master_edit_weight":
+        callbacks_master.append(AtStep(2, _edit_weight))
+    if case == "timeout":
+        callbacks_all.append(AtStep(2, _sleep_on_rank_1))
+    trainer = DistTrainer(
+        data,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        loss=nn.MSELoss(),
+        callbacks_all=callbacks_all,
+        callbacks_master=callbacks_master,
+        batch_size_per_gpu=4,
+        n_epochs=1,
+        print_every=1,
+        use_tqdm=False,
+        timeout=TIMEOUT,
+        on_nonfinite="skip" if case == "nan_skip" else "raise",
+        check_sync_every=1 if case in ("master_edit_weight", "nan_skip") else 0,
+        sampler=FirstRanksLonger(get_rank()) if case == "uneven" else None,
+    )
+    result = trainer.train()
+    record = dict(result, skipped=trainer.state.skipped_steps)
+    (out / f"rank{get_rank()}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
