@@ -4,6 +4,7 @@ from fastdist.callbacks.callback import Callback, CallbackList
 from fastdist.callbacks.early_stop import EarlyStopCallback
 from fastdist.callbacks.fitlog import FitlogCallback
 from fastdist.callbacks.gradient_clip import GradientClipCallback
+from fastdist.callbacks.json_log import JSONLogCallback
 from fastdist.callbacks.lr_scheduler import LRSchedulerCallback
 from fastdist.callbacks.warmup import WarmupCallback
 
@@ -13,6 +14,7 @@ __all__ = [
     "EarlyStopCallback",
     "FitlogCallback",
     "GradientClipCallback",
+    "JSONLogCallback",
     "LRSchedulerCallback",
     "WarmupCallback",
 ]

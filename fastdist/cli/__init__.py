@@ -1,0 +1,49 @@
+"""Command-line tools, run as ``python -m fastdist COMMAND``.
+
+Commands:
+    env: print what a bug report needs (versions, CUDA, backends, torchrun variables) and
+        whether a process group can be formed here.
+    plot: draw the curves of one or more ``JSONLogCallback`` logs into a PNG.
+
+Example:
+    >>> main(["env"])  # python -m fastdist env
+    >>> main(["plot", "save", "-o", "curves.png"])  # python -m fastdist plot save -o curves.png
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from fastdist.cli.env import add_parser as add_env_parser
+from fastdist.cli.plot import add_parser as add_plot_parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m fastdist`` parser, with one sub-parser per command."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fastdist", description="fastdist command-line tools."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_env_parser(commands)
+    add_plot_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command named in ``argv`` (default ``sys.argv[1:]``); return the exit status.
+
+    Example:
+        >>> main(["env", "--no-check"])
+        0
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    status: int = args.run(args)
+    return status
+
+
+__all__ = ["build_parser", "main"]
