@@ -66,8 +66,15 @@ class Callback:
     def on_exception(self, exception: BaseException) -> None:
         """When training raises; the exception is re-raised afterwards."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep of this callback (tensors and plain data)."""
+        return {}
 
-HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, before ``on_train_begin`` of a resume."""
+
+
+HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))  # in loop order
 
 
 class CallbackList:

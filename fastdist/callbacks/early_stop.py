@@ -22,6 +22,12 @@ class EarlyStopCallback(Callback):
         self.patience = patience
         self.wait = 0
 
+    def state_dict(self) -> dict[str, int]:
+        return {"wait": self.wait}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.wait = state["wait"]
+
     def on_valid_end(self, eval_result: dict[str, float], metric_key: str, is_better: bool) -> None:
         self.wait = 0 if is_better else self.wait + 1
         if self.wait >= self.patience:

@@ -27,6 +27,12 @@ class LRSchedulerCallback(Callback):
         self.scheduler = scheduler
         self.interval = interval
 
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
     def on_step_end(self) -> None:
         if self.interval == "step":
             self.scheduler.step()

@@ -43,11 +43,18 @@ class WarmupCallback(Callback):
         return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
     def on_train_begin(self) -> None:
-        self.base_lrs = [group["lr"] for group in self.trainer.optimizer.param_groups]
+        if not self.base_lrs:  # a resumed run restored them: the optimizer holds warmed rates
+            self.base_lrs = [group["lr"] for group in self.trainer.optimizer.param_groups]
         self._set_lr()
 
     def on_step_end(self) -> None:
         self._set_lr()
+
+    def state_dict(self) -> dict[str, list[float]]:
+        return {"base_lrs": self.base_lrs}
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        self.base_lrs = list(state["base_lrs"])
 
     def _set_lr(self) -> None:
         """Set the rate the next update (number ``global_step + 1``) will use."""

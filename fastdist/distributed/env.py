@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import sys
 
@@ -116,10 +117,15 @@ def init_distributed(
 def _destroy_if_initialized() -> None:
     if not dist.is_initialized():
         return
+    # Free dead trainers (callbacks and trainer reference each other, so only the cycle
+    # collector frees them) while the interpreter is whole: a DDP reducer torn down during
+    # interpreter finalization aborts the process ("terminate called without an active
+    # exception") now and then.
+    gc.collect()
     if getattr(sys, "last_value", None) is None:
         # On a clean exit, wait for the peers first: destroying a gloo group while a peer is
-        # still tearing down its own aborts the process now and then. After an uncaught
-        # exception there is no waiting (the peers may be gone): just release the group.
+        # still tearing down its own also aborts now and then. After an uncaught exception
+        # there is no waiting (the peers may be gone): just release the group.
         dist.barrier()
     dist.destroy_process_group()
 

@@ -1,22 +1,59 @@
-"""Writing files so that a crash never leaves a half-written one under the final name."""
+"""Checkpoints that survive crashes: atomic files, a checksummed manifest, safe loading.
+
+Layout of a checkpoint directory::
+
+    step-00000120.pt     torch.save of a dict of state dicts (tensors and plain data only)
+    manifest.json        [{"file": "step-00000120.pt", "sha256": ..., "step": 120}, ...]
+
+A checkpoint is written to a temp file (hashed while it is written, so the data is serialised
+once), fsynced and renamed; only then is the manifest replaced the same way, and only then are
+checkpoints beyond ``keep`` pruned. Loading verifies the checksum and uses
+``torch.load(weights_only=True)``, which refuses pickled code.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
+import random
 import tempfile
-from typing import Any
+from collections.abc import Iterator
+from typing import IO, Any
 
+import numpy as np
 import torch
 
+from fastdist.logging import logger
 
-def atomic_save(obj: Any, path: str) -> None:
-    """``torch.save`` to a temp file in the same directory, fsync it, then rename over ``path``."""
+MANIFEST = "manifest.json"
+
+
+class _HashingWriter:
+    """A write-only file wrapper that hashes what passes through it."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f = f
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+@contextlib.contextmanager
+def _atomic_file(path: str) -> Iterator[IO[bytes]]:
+    """Yield a temp file next to ``path``; on success fsync it and rename it over ``path``."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -28,3 +65,95 @@ def atomic_save(obj: Any, path: str) -> None:
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
+
+
+def atomic_save(obj: Any, path: str) -> str:
+    """``torch.save`` ``obj`` to ``path`` atomically; return the file's sha256."""
+    with _atomic_file(path) as f:
+        writer = _HashingWriter(f)
+        torch.save(obj, writer)  # type: ignore[arg-type]
+    return writer.sha256.hexdigest()
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random generator states, as tensors and plain data."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    return {
+        "python": random.getstate(),
+        "numpy": {
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(gauss),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    random.setstate(state["python"])
+    np_state = state["numpy"]
+    keys = np_state["keys"].numpy().astype(np.uint32)
+    pos, has_gauss, gauss = np_state["pos"], np_state["has_gauss"], np_state["cached_gaussian"]
+    np.random.set_state(("MT19937", keys, pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointDir:
+    """The checkpoints of one run in ``directory``, newest last in the manifest."""
+
+    def __init__(self, directory: str, keep: int) -> None:
+        self.directory = directory
+        self.keep = keep
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Manifest entries, oldest first (empty when there is no manifest)."""
+        path = os.path.join(self.directory, MANIFEST)
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            return list(json.load(f))
+
+    def save(self, checkpoint: dict[str, Any], step: int) -> str:
+        """Write ``checkpoint`` durably, record it in the manifest, prune old ones."""
+        name = f"step-{step:08d}.pt"
+        path = os.path.join(self.directory, name)
+        sha256 = atomic_save(checkpoint, path)
+        entries = [e for e in self.entries() if e["file"] != name]
+        entries.append({"file": name, "sha256": sha256, "step": step})
+        kept, dropped = entries[-self.keep :], entries[: -self.keep]
+        with _atomic_file(os.path.join(self.directory, MANIFEST)) as f:
+            f.write(json.dumps(kept, indent=1).encode())
+        for old in dropped:  # only now that the new checkpoint and manifest are durable
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.directory, old["file"]))
+        return path
+
+    def load_latest(self) -> tuple[dict[str, Any], str] | None:
+        """The newest checkpoint that verifies and loads, with its path; warn on bad ones."""
+        for entry in reversed(self.entries()):
+            path = os.path.join(self.directory, entry["file"])
+            try:
+                if _sha256(path) != entry["sha256"]:
+                    raise ValueError("its sha256 does not match the manifest (truncated?)")
+                return load_checkpoint(path), path
+            except Exception as exc:
+                logger.warning("skipping checkpoint %s: %s", path, exc)
+        return None
+
+
+def load_checkpoint(path: str) -> dict[str, Any]:
+    """Load a checkpoint file with ``weights_only=True``: pickled code is refused."""
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -31,6 +31,9 @@ class TrainerConfig:
     timeout: float | None = None
     on_nonfinite: str = "raise"
     check_sync_every: int = 0
+    checkpoint_every: int = 0
+    checkpoint_dir: str | None = None
+    keep_checkpoints: int = 2
 
     def __post_init__(self) -> None:
         for name in ("batch_size_per_gpu", "n_epochs", "update_every", "print_every"):
@@ -46,6 +49,8 @@ class TrainerConfig:
                 "or N > 0 to evaluate every N optimizer updates"
             )
         _check_int("check_sync_every", self.check_sync_every, minimum=0)
+        _check_int("checkpoint_every", self.checkpoint_every, minimum=0)
+        _check_int("keep_checkpoints", self.keep_checkpoints, minimum=1)
         if self.timeout is not None and not (
             isinstance(self.timeout, (int, float)) and self.timeout > 0
         ):

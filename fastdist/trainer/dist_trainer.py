@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import os
+import signal
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
 from fastdist.callbacks.callback import Callback, CallbackList
 from fastdist.distributed import (
-    all_gather_object,
     all_reduce_sum,
     broadcast_object,
     broadcast_tensors,
@@ -33,10 +35,19 @@ from fastdist.losses import as_loss_fn
 from fastdist.metrics import Metric
 from fastdist.trainer import validation
 from fastdist.trainer.batch import make_forward, to_device, window_weights
-from fastdist.trainer.checkpoint import atomic_save
+from fastdist.trainer.best_model import BestModel
+from fastdist.trainer.checkpoint import set_rng_state
+from fastdist.trainer.checkpointer import Checkpointer
 from fastdist.trainer.config import TrainerConfig
 from fastdist.trainer.evaluator import Evaluator
 from fastdist.trainer.failure import install_excepthook, report_failure
+from fastdist.trainer.safety import (
+    check_even_shards,
+    check_in_sync,
+    gradients_finite,
+    nonfinite_ranks,
+)
+from fastdist.trainer.sampler import ResumableSampler
 from fastdist.trainer.state import TrainerState
 
 
@@ -79,12 +90,20 @@ class DistTrainer:
             rank sees the same all-reduced gradients, so every rank decides the same.
         check_sync_every: every N updates (and at the end) compare a checksum of the
             parameters across ranks and raise on the first that differs; 0 turns it off.
+        checkpoint_every: write a checkpoint every N optimizer updates as well as at every
+            epoch end (0: epoch ends only).
+        checkpoint_dir: where checkpoints go; default ``<save_path>/checkpoints``; with
+            neither, no checkpoints are written.
+        keep_checkpoints: how many of the newest checkpoints to keep.
 
     Example:
         >>> trainer = DistTrainer(train_data, model, optimizer, loss=CrossEntropyLoss(),
         ...                       dev_data=dev_data, metrics=AccuracyMetric(), n_epochs=3)
         >>> result = trainer.train()  # same dict on every rank
     """
+
+    #: Exit code after a pre-emption (SIGTERM): 128 + 15, as if killed by the signal.
+    PREEMPTED_EXIT_CODE = 143
 
     def __init__(
         self,
@@ -116,9 +135,12 @@ class DistTrainer:
         timeout: float | None = None,
         on_nonfinite: str = "raise",
         check_sync_every: int = 0,
+        checkpoint_every: int = 0,
+        checkpoint_dir: str | None = None,
+        keep_checkpoints: int = 2,
     ) -> None:
         # 1. Validate everything, identically on every rank, before any collective.
-        self.config = TrainerConfig(
+        self.config = cfg = TrainerConfig(
             batch_size_per_gpu=batch_size_per_gpu,
             dev_batch_size_per_gpu=dev_batch_size_per_gpu,
             n_epochs=n_epochs,
@@ -136,14 +158,22 @@ class DistTrainer:
             timeout=timeout,
             on_nonfinite=on_nonfinite,
             check_sync_every=check_sync_every,
+            checkpoint_every=checkpoint_every,
+            checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
+            keep_checkpoints=keep_checkpoints,
         )
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        validation.check_dataset("train_data", train_data)
+        n_train = validation.check_dataset("train_data", train_data)
         if dev_data is not None:
             validation.check_dataset("dev_data", dev_data)
         if sampler is not None and not hasattr(sampler, "__len__"):
             raise TypeError("sampler must have __len__ (the number of samples of this rank)")
+        self.sampler = sampler or ResumableSampler(
+            n_train, get_rank(), get_world_size(), seed=seed, drop_last=drop_last
+        )
+        n_per_rank = len(self.sampler)  # type: ignore[arg-type]
+        validation.check_enough_samples(n_per_rank, batch_size_per_gpu, drop_last)
         self.metrics = validation.as_metric_list(metrics)
         if dev_data is not None and not self.metrics:
             raise ValueError("dev_data needs metrics=: pass e.g. metrics=AccuracyMetric()")
@@ -153,8 +183,8 @@ class DistTrainer:
         if optimizer is None:
             optimizer = torch.optim.Adam(model.parameters(), lr=4e-3)
         validation.check_optimizer(optimizer, model)
-        callbacks_all = validation.check_callbacks("callbacks_all", callbacks_all)
-        callbacks_master = validation.check_callbacks("callbacks_master", callbacks_master)
+        self.callbacks_all = validation.check_callbacks("callbacks_all", callbacks_all)
+        self.callbacks_master = validation.check_callbacks("callbacks_master", callbacks_master)
         self.loss_fn = as_loss_fn(loss)
         self.device = validation.resolve_device(device)
 
@@ -182,16 +212,8 @@ class DistTrainer:
             )
         self.forward = make_forward(self.model)
 
-        # 3. Data, evaluation, callbacks and state.
+        # 3. Data, evaluation, callbacks, checkpoints and state.
         self.train_data, self.dev_data = train_data, dev_data
-        self.sampler = sampler or DistributedSampler(
-            train_data,
-            num_replicas=self.world_size,
-            rank=self.rank,
-            shuffle=True,
-            seed=seed,
-            drop_last=drop_last,
-        )
         self.train_loader = DataLoader(
             train_data,
             batch_size=batch_size_per_gpu,
@@ -201,68 +223,111 @@ class DistTrainer:
             drop_last=drop_last,
             pin_memory=self.device.type == "cuda",
         )
-        n_samples = len(self.sampler)  # type: ignore[arg-type]
-        self.weights = window_weights(n_samples, batch_size_per_gpu, update_every, drop_last)
-        if not self.weights:
-            raise ValueError(
-                f"train_data gives this rank {n_samples} samples, fewer than one batch "
-                f"with batch_size_per_gpu={batch_size_per_gpu} and drop_last=True"
-            )
+        check_even_shards(len(self.train_loader), self.group)
         self.evaluator = Evaluator(
             self.model,
             self.forward,
             self.metrics,
             self.device,
-            self.config.eval_batch_size,
+            cfg.eval_batch_size,
             num_workers,
             collate_fn,
             self.group,
         )
-        self._check_even_shards()
         self.callbacks = CallbackList(
-            callbacks_all, callbacks_master, self.is_master, guard_master=is_distributed()
+            self.callbacks_all, self.callbacks_master, self.is_master, guard_master=is_distributed()
         )
         self.callbacks.set_trainer(self)
-        steps_per_epoch = -(-len(self.weights) // update_every)
-        self.state = TrainerState(n_epochs=n_epochs, total_steps=n_epochs * steps_per_epoch)
-        self.best_model_path: str | None = None
-        self._best_state: dict[str, torch.Tensor] | None = None
+        self.best = BestModel(self.model, cfg.save_path, keep_in_memory=load_best_model)
+        default_dir = None if cfg.save_path is None else os.path.join(cfg.save_path, "checkpoints")
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint_dir or default_dir, checkpoint_every, keep_checkpoints
+        )
+        self.state = TrainerState(n_epochs=n_epochs)
+        self.weights: list[float] = []  # loss weight of each micro-batch of this epoch's pass
+        self._resume_rng: dict[str, Any] | None = None
         self._loss_sum = torch.zeros((), device=self.device)  # since the last log line
         self._loss_count = 0
         self._window_loss = torch.zeros((), device=self.device)  # of the current update
         self._window_count = 0
         self._bar: tqdm | None = None
+        self._sigterm = False  # set by the SIGTERM handler during train()
+        self.preempted = False  # a SIGTERM agreed by all ranks
 
-    def train(self) -> dict[str, Any]:
+    @property
+    def best_model_path(self) -> str | None:
+        """The file rank 0 keeps the best model in (``None`` before the first, or on others)."""
+        return self.best.path
+
+    def train(self, resume: bool | str | os.PathLike = "auto") -> dict[str, Any]:
         """Train for ``n_epochs``; return the same result dict on every rank.
+
+        Args:
+            resume: ``"auto"`` continues from the newest valid checkpoint in the checkpoint
+                directory if there is one (so a restarted job resumes with the same command);
+                a path continues from that checkpoint; ``False`` starts afresh.
 
         Returns:
             ``best_eval`` (dict or None), ``best_epoch``, ``best_step``, ``steps`` (optimizer
             updates), ``seconds`` (rank 0's wall time).
+
+        On SIGTERM every rank finishes its current update, the ranks agree at the next log
+        step, rank 0 writes a checkpoint and every rank exits with code 143.
         """
         start = time.time()
+        found = self.checkpointer.find(resume)
+        if found is not None:
+            self.load_state_dict(found[0])
+        self.state.total_steps = self.state.global_step + self._updates_left()
+        if found is not None:
+            state = self.state
+            logger.info(
+                "resumed from %s: epoch %d, %d samples into it, step %d%s",
+                found[1],
+                state.epoch,
+                0 if state.epoch_complete else state.samples_in_epoch,
+                state.global_step,
+                ""
+                if state.total_steps > state.global_step
+                else " (nothing left to train: resume=False or another save_path starts afresh)",
+            )
+        cfg = self.config
         logger.info(
             "training on %d process(es), %s; global batch %d = %d per process x %d x "
             "update_every %d; %d updates",
             self.world_size,
             self.device,
-            self.config.batch_size_per_gpu * self.world_size * self.config.update_every,
-            self.config.batch_size_per_gpu,
+            cfg.batch_size_per_gpu * self.world_size * cfg.update_every,
+            cfg.batch_size_per_gpu,
             self.world_size,
-            self.config.update_every,
+            cfg.update_every,
             self.state.total_steps,
         )
-        if self.is_master and self.config.use_tqdm:
+        if self.is_master and cfg.use_tqdm:
             # disable=None turns the bar off when stderr is not a terminal.
-            self._bar = tqdm(total=self.state.total_steps, disable=None, dynamic_ncols=True)
+            self._bar = tqdm(
+                total=self.state.total_steps,
+                initial=self.state.global_step,
+                disable=None,
+                dynamic_ncols=True,
+            )
         try:
-            self._loop()
-            if self.config.check_sync_every:
-                self._check_in_sync()
-            if self.config.load_best_model and self.state.best_eval is not None:
-                self._load_best()
+            with self._sigterm_handler():
+                self._loop()
+            if self.preempted:
+                self.checkpointer.save(self)
+                logger.warning("pre-empted: checkpoint written at step %d", self.state.global_step)
+                raise SystemExit(self.PREEMPTED_EXIT_CODE)
+            if cfg.check_sync_every:
+                check_in_sync(self.model, self.state.global_step, self.group)
+            if cfg.load_best_model and self.state.best_eval is not None:
+                self.best.load(self.is_master, self.group)
+                state = self.state
+                logger.info(
+                    "loaded the best model of epoch %d step %d", state.best_epoch, state.best_step
+                )
         except Exception as exc:
-            report_failure(exc, self._where(), self.config.timeout)
+            report_failure(exc, self._where(), cfg.timeout)
             self.callbacks.on_exception(exc)
             raise
         finally:
@@ -281,14 +346,13 @@ class DistTrainer:
     def _loop(self) -> None:
         state, cfg, callbacks = self.state, self.config, self.callbacks
         callbacks.on_train_begin()
-        for epoch in range(state.epoch + 1, cfg.n_epochs + 1):
+        first_epoch = state.epoch + 1 if state.epoch_complete else state.epoch
+        for epoch in range(max(first_epoch, 1), cfg.n_epochs + 1):
             state.epoch = epoch
             self.board.publish(epoch=epoch, step=state.global_step, phase="train")
-            if hasattr(self.sampler, "set_epoch"):
-                self.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on all ranks
             callbacks.on_epoch_begin()
             stop = False
-            for batch_idx, batch in enumerate(self.train_loader):
+            for batch_idx, batch in enumerate(self._epoch_batches(epoch)):
                 state.batch_idx = batch_idx
                 state.is_update = self._ends_window(batch_idx)
                 batch = to_device(batch, self.device)
@@ -302,99 +366,76 @@ class DistTrainer:
                     (loss * self.weights[batch_idx]).backward()
                 callbacks.on_backward_end()
                 if state.is_update and self._optimizer_step():
+                    if state.global_step % cfg.print_every == 0:
+                        stop = self._sync(log_loss=True)  # on_step_end sees the fresh loss
                     callbacks.on_step_end()
-                    every = cfg.validate_every
-                    validate = every > 0 and state.global_step % every == 0
-                    if validate:
+                    if cfg.validate_every > 0 and state.global_step % cfg.validate_every == 0:
                         self._validate()
-                    if validate or state.global_step % cfg.print_every == 0:
-                        stop = self._sync_and_log()
+                        stop = self._sync()
+                    ends_epoch = batch_idx + 1 == len(self.weights)  # saved just below
+                    if self.checkpointer.due(state.global_step) and not ends_epoch:
+                        self.checkpointer.save(self)
                 callbacks.on_batch_end()
                 if stop:
                     break
-            if not stop and cfg.validate_every < 0:
-                self._validate()
+            if not stop:  # the epoch ran to its end
+                state.epoch_complete = True
+                if cfg.validate_every < 0:
+                    self._validate()
             callbacks.on_epoch_end()
-            if stop or self._sync_and_log():
+            if state.epoch_complete:
+                self.checkpointer.save(self)
+            if stop or self._sync():
                 break
-        callbacks.on_train_end()
+        if not self.preempted:
+            callbacks.on_train_end()
+
+    def _epoch_batches(self, epoch: int) -> Iterator[Any]:
+        """This epoch's batches from where training stands in it (mid-epoch after a resume)."""
+        state, cfg = self.state, self.config
+        start = 0 if state.epoch_complete else state.samples_in_epoch
+        state.epoch_complete, state.samples_in_epoch = False, start
+        self._epoch_start = start
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on all ranks
+        skip = 0
+        if isinstance(self.sampler, ResumableSampler):
+            self.sampler.set_start(start)  # continue at the next unseen sample, no replay
+        elif start:  # a user sampler: skip the batches this rank already trained on
+            skip = start // (cfg.batch_size_per_gpu * self.world_size)
+        n_samples = len(self.sampler) - skip * cfg.batch_size_per_gpu  # type: ignore[arg-type]
+        self.weights = window_weights(
+            n_samples, cfg.batch_size_per_gpu, cfg.update_every, cfg.drop_last
+        )
+        batches = iter(self.train_loader)
+        if self._resume_rng is not None:  # after iter(): making it draws from the torch RNG
+            set_rng_state(self._resume_rng)
+            self._resume_rng = None
+        return itertools.islice(batches, skip, None)
+
+    def _updates_left(self) -> int:
+        """Optimizer updates from the current position to the end of the last epoch."""
+        cfg, state = self.config, self.state
+        per_rank = len(self.sampler)  # type: ignore[arg-type]
+        if isinstance(self.sampler, ResumableSampler):
+            per_rank = -(-self.sampler.n // self.world_size)
+            if cfg.drop_last:
+                per_rank = self.sampler.n // self.world_size
+
+        def updates(n: int) -> int:
+            windows = window_weights(n, cfg.batch_size_per_gpu, cfg.update_every, cfg.drop_last)
+            return -(-len(windows) // cfg.update_every)
+
+        full_epochs = cfg.n_epochs - max(state.epoch, 1) + (0 if state.epoch_complete else 1)
+        left = max(full_epochs, 0) * updates(per_rank)
+        if not state.epoch_complete and state.samples_in_epoch:
+            consumed = state.samples_in_epoch // self.world_size
+            left -= updates(per_rank) - updates(max(per_rank - consumed, 0))
+        return left
 
     def _ends_window(self, batch_idx: int) -> bool:
         n = batch_idx + 1
         return n % self.config.update_every == 0 or n == len(self.weights)
-
-    def _optimizer_step(self) -> bool:
-        """Step unless the gradients are non-finite (``on_nonfinite="skip"``); say if it did."""
-        state = self.state
-        finite = self._gradients_finite()
-        if finite:
-            self.optimizer.step()
-            self._loss_sum += self._window_loss
-            self._loss_count += self._window_count
-        self.optimizer.zero_grad(set_to_none=True)
-        self._window_loss.zero_()
-        self._window_count = 0
-        if not finite:
-            state.skipped_steps += 1
-            return False
-        state.global_step += 1
-        if self._bar is not None:
-            self._bar.update()
-        every = self.config.check_sync_every
-        if every and state.global_step % every == 0:
-            self._check_in_sync()
-        return True
-
-    def _gradients_finite(self) -> bool:
-        """Whether the all-reduced gradients are finite: the same answer on every rank.
-
-        A NaN/Inf loss on any rank makes the averaged gradients non-finite everywhere, so no
-        extra collective is needed to agree; only then do the ranks compare their own losses
-        to name the culprit. One host read per update, none per micro-batch.
-        """
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads or torch.isfinite(torch.nn.utils.get_total_norm(grads)).item():
-            return True
-        local_ok = bool(torch.isfinite(self._window_loss).item())
-        culprits = [r for r, ok in enumerate(all_gather_object(local_ok, self.group)) if not ok]
-        where = f"epoch {self.state.epoch} update {self.state.global_step + 1}"
-        message = (
-            f"non-finite loss or gradient at {where}; ranks with a non-finite loss: {culprits}"
-        )
-        if self.config.on_nonfinite == "raise":
-            raise FloatingPointError(message + " (on_nonfinite='skip' skips such updates)")
-        logger.warning("%s: skipping this update on every rank", message)
-        return False
-
-    def _check_in_sync(self) -> None:
-        """Compare per-parameter checksums across ranks; raise on the first that differs."""
-        names = [name for name, _ in self.model.named_parameters()]
-        sums = [float(p.detach().double().sum()) for p in self.model.parameters()]
-        everyone = all_gather_object(sums, self.group)
-        for i, name in enumerate(names):
-            values = [rank_sums[i] for rank_sums in everyone]
-            if len(set(values)) > 1:
-                raise RuntimeError(
-                    f"parameter {name!r} differs across ranks at step {self.state.global_step} "
-                    f"(checksums by rank: {values}): code running on some ranks only (e.g. in "
-                    "callbacks_master) changed the model; change it in callbacks_all instead"
-                )
-
-    def _check_even_shards(self) -> None:
-        """Ranks with different numbers of batches would hang in DDP: refuse up front."""
-        counts = all_gather_object(len(self.train_loader), self.group)
-        if len(set(counts)) > 1:
-            raise ValueError(
-                f"the training sampler gives the ranks different numbers of batches per epoch "
-                f"({counts}, by rank): DDP would hang when one rank runs out. Use the default "
-                "DistributedSampler (sampler=None) or make every rank's shard the same size"
-            )
-
-    def _where(self) -> PositionBoard:
-        """The board with this rank's precise position filled in (for failure reports)."""
-        state = self.state
-        self.board.move(epoch=state.epoch, step=state.global_step, hook=self.callbacks.current)
-        return self.board
 
     def _no_sync(self) -> contextlib.AbstractContextManager:
         if isinstance(self.ddp_model, DistributedDataParallel):
@@ -413,45 +454,99 @@ class DistTrainer:
         self._window_count += 1
         return loss
 
+    def _optimizer_step(self) -> bool:
+        """Step unless the gradients are non-finite (``on_nonfinite="skip"``); say if it did."""
+        state, cfg = self.state, self.config
+        finite = gradients_finite(self.model)
+        if not finite:
+            culprits = nonfinite_ranks(self._window_loss, self.group)
+            message = (
+                f"non-finite loss or gradient at epoch {state.epoch} update "
+                f"{state.global_step + 1}; ranks with a non-finite loss: {culprits}"
+            )
+            if cfg.on_nonfinite == "raise":
+                raise FloatingPointError(message + " (on_nonfinite='skip' skips such updates)")
+            logger.warning("%s: skipping this update on every rank", message)
+            state.skipped_steps += 1
+        else:
+            self.optimizer.step()
+            self._loss_sum += self._window_loss
+            self._loss_count += self._window_count
+            state.global_step += 1
+            state.samples_in_epoch = self._epoch_start + (state.batch_idx + 1) * (
+                cfg.batch_size_per_gpu * self.world_size
+            )
+            if self._bar is not None:
+                self._bar.update()
+            if cfg.check_sync_every and state.global_step % cfg.check_sync_every == 0:
+                check_in_sync(self.model, state.global_step, self.group)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._window_loss.zero_()
+        self._window_count = 0
+        return finite
+
     def request_stop(self) -> None:
         """Ask every rank to stop; agreed at the next log step, evaluation or epoch end."""
         self.state.stop_requested = True
 
-    def _sync_and_log(self) -> bool:
-        """One all-reduce of (loss sum, count, stop flag); log the loss; return agreed stop."""
-        self.board.publish(step=self.state.global_step, phase="sync")
-        flags = [0.0, self._loss_count, float(self.state.stop_requested)]
+    def _sync(self, log_loss: bool = False) -> bool:
+        """One all-reduce of (loss, count, stop, SIGTERM); return whether to stop, agreed.
+
+        With ``log_loss`` the mean loss since the last log step becomes ``state.loss`` and is
+        shown; otherwise the loss keeps accumulating.
+        """
+        state = self.state
+        self.board.publish(step=state.global_step, phase="sync")
+        flags = [0.0, self._loss_count, float(state.stop_requested), float(self._sigterm)]
         stats = torch.tensor(flags, dtype=torch.float64, device=self.device)
         stats[0] = self._loss_sum
-        loss_sum, count, stop = all_reduce_sum(stats, self.group).tolist()
+        loss_sum, count, stop, sigterm = all_reduce_sum(stats, self.group).tolist()
         self.board.move(phase="train")
-        if count:
-            self.state.loss = loss_sum / count
+        if log_loss and count:
+            state.loss = loss_sum / count
             self._loss_sum.zero_()
             self._loss_count = 0
             if self._bar is not None and not self._bar.disable:
-                self._bar.set_postfix(epoch=self.state.epoch, loss=f"{self.state.loss:.4f}")
+                self._bar.set_postfix(epoch=state.epoch, loss=f"{state.loss:.4f}")
             else:
                 logger.info(
                     "epoch %d step %d/%d loss %.4f",
-                    self.state.epoch,
-                    self.state.global_step,
-                    self.state.total_steps,
-                    self.state.loss,
+                    state.epoch,
+                    state.global_step,
+                    state.total_steps,
+                    state.loss,
                 )
-        self.state.stop_requested = stop > 0
-        if self.state.stop_requested:
-            logger.info("stop requested; stopping at step %d", self.state.global_step)
-        return self.state.stop_requested
+        state.stop_requested = stop > 0
+        self.preempted = sigterm > 0
+        if state.stop_requested or self.preempted:
+            why = "SIGTERM received" if self.preempted else "stop requested"
+            logger.info("%s; stopping at step %d", why, state.global_step)
+        return state.stop_requested or self.preempted
+
+    @contextlib.contextmanager
+    def _sigterm_handler(self) -> Iterator[None]:
+        """Note a SIGTERM instead of dying: the ranks agree on it at the next sync point."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def note(signum: int, frame: Any) -> None:
+            self._sigterm = True
+
+        previous = signal.signal(signal.SIGTERM, note)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
     def evaluate(self, data: Dataset | None = None) -> dict[str, float]:
         """Evaluate ``data`` (default ``dev_data``) with ``metrics``; same dict on every rank."""
         data = self.dev_data if data is None else data
         if data is None or not self.metrics:
             raise ValueError("evaluate() needs metrics= and data (or dev_data=) on the trainer")
+        self.board.publish(phase="evaluate")
         # Each rank's forward updated its own running statistics (batch norm); evaluate all
         # shards with rank 0's, the buffers DDP would broadcast before the next forward.
-        self.board.publish(phase="evaluate")
         with torch.no_grad():
             broadcast_tensors(self.model.buffers(), group=self.group)
         result = self.evaluator.evaluate(data)
@@ -472,7 +567,7 @@ class DistTrainer:
             state.best_eval, state.best_epoch = result, state.epoch
             state.best_step = state.global_step
             if self.is_master:
-                self._save_best()
+                self.best.save(self.metric_key)
         logger.info(
             "evaluation at epoch %d step %d: %s%s",
             state.epoch,
@@ -482,28 +577,48 @@ class DistTrainer:
         )
         self.callbacks.on_valid_end(result, self.metric_key, is_better)
 
-    def _save_best(self) -> None:
-        """Rank 0 keeps the best weights: in a file under ``save_path``, else in memory."""
-        weights = self.model.state_dict()
-        if self.config.save_path is None:
-            if self.config.load_best_model:
-                self._best_state = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
-            return
-        if self.best_model_path is None:
-            stamp = time.strftime("%Y-%m-%d-%H-%M-%S")
-            name = f"best_{type(self.model).__name__}_{self.metric_key}_{stamp}.pt"
-            self.best_model_path = os.path.join(self.config.save_path, name)
-        atomic_save(weights, self.best_model_path)
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs, as tensors and plain data (``weights_only`` loads)."""
+        return {
+            "format": 1,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "callbacks_all": [cb.state_dict() for cb in self.callbacks_all],
+            "callbacks_master": [cb.state_dict() for cb in self.callbacks_master],
+            "trainer": self.state.state_dict(),
+            "best_model_path": self.best.path,
+            "world_size": self.world_size,
+            "seed": self.config.seed,
+        }
 
-    def _load_best(self) -> None:
-        """Rank 0 loads the best weights; a broadcast gives them to every other rank."""
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (plus the ``rng`` list a checkpoint carries)."""
+        self.model.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        for cb, cb_state in zip(self.callbacks_all, checkpoint["callbacks_all"], strict=True):
+            cb.load_state_dict(cb_state)
         if self.is_master:
-            if self.best_model_path is not None:
-                best = torch.load(self.best_model_path, map_location=self.device, weights_only=True)
-                self.model.load_state_dict(best)
-            elif self._best_state is not None:
-                self.model.load_state_dict(self._best_state)
-        with torch.no_grad():
-            broadcast_tensors(self.model.state_dict().values(), group=self.group)
+            for cb, cb_state in zip(
+                self.callbacks_master, checkpoint["callbacks_master"], strict=True
+            ):
+                cb.load_state_dict(cb_state)
+        self.state.load_state_dict(checkpoint["trainer"])
+        self.state.n_epochs = self.config.n_epochs
+        self.best.path = checkpoint["best_model_path"]
+        rngs = checkpoint.get("rng", [])
+        self._resume_rng = rngs[self.rank] if self.rank < len(rngs) else None
+        if checkpoint["world_size"] != self.world_size:
+            cfg = self.config
+            logger.warning(
+                "resuming a %d-process run on %d processes: the rest of the epoch is sharded "
+                "anew; global batch now %d",
+                checkpoint["world_size"],
+                self.world_size,
+                cfg.batch_size_per_gpu * self.world_size * cfg.update_every,
+            )
+
+    def _where(self) -> PositionBoard:
+        """The board with this rank's precise position filled in (for failure reports)."""
         state = self.state
-        logger.info("loaded the best model of epoch %d step %d", state.best_epoch, state.best_step)
+        self.board.move(epoch=state.epoch, step=state.global_step, hook=self.callbacks.current)
+        return self.board

@@ -14,7 +14,10 @@ class TrainerState:
         epoch: current epoch, from 1.
         global_step: optimizer updates done so far.
         skipped_steps: updates skipped for non-finite gradients (``on_nonfinite="skip"``).
-        batch_idx: index of the current micro-batch within the epoch, from 0.
+        batch_idx: index of the current micro-batch within this pass over the epoch, from 0
+            (a pass resumed mid-epoch starts at 0 again).
+        samples_in_epoch: global samples of the current epoch trained on (all ranks).
+        epoch_complete: whether the current epoch has been trained to its end.
         n_epochs: epochs to train.
         total_steps: optimizer updates the whole run will make.
         is_update: whether the current micro-batch ends an update window (its backward
@@ -29,6 +32,8 @@ class TrainerState:
     global_step: int = 0
     skipped_steps: int = 0
     batch_idx: int = 0
+    samples_in_epoch: int = 0
+    epoch_complete: bool = False
     n_epochs: int = 0
     total_steps: int = 0
     is_update: bool = False

@@ -13,11 +13,13 @@ from fastdist.distributed import get_local_rank
 from fastdist.metrics import Metric
 
 
-def check_dataset(name: str, data: Any) -> None:
+def check_dataset(name: str, data: Any) -> int:
+    """Return the size of a map-style dataset that holds at least one sample."""
     if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
         raise TypeError(f"{name} must be a map-style dataset (with __len__ and __getitem__)")
     if len(data) == 0:
         raise ValueError(f"{name} is empty: it must hold at least one sample")
+    return len(data)
 
 
 def as_metric_list(metrics: Metric | Sequence[Metric] | None) -> list[Metric]:
@@ -70,10 +72,21 @@ def check_callbacks(name: str, callbacks: Sequence[Callback] | None) -> list[Cal
     return items
 
 
+def check_enough_samples(n_samples: int, batch_size: int, drop_last: bool) -> None:
+    """Each rank needs at least one batch per epoch."""
+    if drop_last and n_samples < batch_size:
+        raise ValueError(
+            f"train_data gives each rank {n_samples} samples, fewer than one batch with "
+            f"batch_size_per_gpu={batch_size} and drop_last=True: lower batch_size_per_gpu"
+        )
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device in (None, "auto"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here: use device='cpu'")
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", get_local_rank())
     return resolved

@@ -1,0 +1,51 @@
+"""Cross-rank checks that turn silent divergence or hangs into errors, the same on every rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastdist.distributed import all_gather_object
+
+
+def gradients_finite(model: nn.Module) -> bool:
+    """Whether the (all-reduced, hence identical on every rank) gradients are all finite.
+
+    One host read per update: a NaN/Inf loss on any rank makes the averaged gradients
+    non-finite on every rank, so no collective is needed to agree.
+    """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)).item())
+
+
+def nonfinite_ranks(window_loss: torch.Tensor, group: Any) -> list[int]:
+    """The ranks whose own loss of this update was not finite (one collective)."""
+    finite = bool(torch.isfinite(window_loss).item())
+    return [rank for rank, ok in enumerate(all_gather_object(finite, group)) if not ok]
+
+
+def check_in_sync(model: nn.Module, step: int, group: Any) -> None:
+    """Compare a checksum of every parameter across ranks; raise on the first that differs."""
+    sums = [float(p.detach().double().sum()) for p in model.parameters()]
+    everyone = all_gather_object(sums, group)
+    for i, (name, _) in enumerate(model.named_parameters()):
+        values = [rank_sums[i] for rank_sums in everyone]
+        if len(set(values)) > 1:
+            raise RuntimeError(
+                f"parameter {name!r} differs across ranks at step {step} (checksums by rank: "
+                f"{values}): code running on some ranks only (e.g. in callbacks_master) changed "
+                "the model; change it in callbacks_all instead"
+            )
+
+
+def check_even_shards(n_batches: int, group: Any) -> None:
+    """Ranks with different numbers of batches would hang in DDP: refuse before training."""
+    counts = all_gather_object(n_batches, group)
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"the training sampler gives the ranks different numbers of batches per epoch "
+            f"({counts}, by rank): DDP would hang when one rank runs out. Use the default "
+            "sampler (sampler=None) or make every rank's shard the same size"
+        )

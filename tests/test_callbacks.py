@@ -1,0 +1,373 @@
+"""In-process unit tests: built-in callbacks, loss weights of micro-batches, metrics, losses.
+
+Nothing here starts a process; a trainer built here runs as a one-process world.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from workers.trainer_worker import make_trainer, on
+
+from fastdist import AccuracyMetric, Callback, CrossEntropyLoss
+from fastdist.callbacks import (
+    CallbackList,
+    EarlyStopCallback,
+    GradientClipCallback,
+    LRSchedulerCallback,
+    WarmupCallback,
+)
+from fastdist.losses import as_loss_fn
+from fastdist.trainer.batch import make_forward, to_device, window_weights
+
+# ----- WarmupCallback -----
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_warmup_ramps_linearly(schedule: str) -> None:
+    warmup = WarmupCallback(warmup=4, schedule=schedule)
+    assert [warmup.factor(step, 20) for step in range(1, 5)] == [0.25, 0.5, 0.75, 1.0]
+
+
+def test_warmup_schedules_after_warmup() -> None:
+    total, steps = 10, range(3, 11)
+    constant = WarmupCallback(warmup=2, schedule="constant")
+    linear = WarmupCallback(warmup=2, schedule="linear")
+    cosine = WarmupCallback(warmup=2, schedule="cosine")
+    assert [constant.factor(s, total) for s in steps] == [1.0] * 8
+    assert [linear.factor(s, total) for s in steps] == pytest.approx(
+        [1 - (s - 2) / 8 for s in steps]
+    )
+    assert [cosine.factor(s, total) for s in steps] == pytest.approx(
+        [0.5 * (1 + math.cos(math.pi * (s - 2) / 8)) for s in steps]
+    )
+    # Decay ends at 0 and never goes below, even past the last update.
+    assert linear.factor(total, total) == pytest.approx(0.0)
+    assert cosine.factor(total, total) == pytest.approx(0.0)
+    assert linear.factor(total + 3, total) == 0.0
+    assert cosine.factor(total + 3, total) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_warmup_fraction_equals_steps(schedule: str) -> None:
+    """warmup < 1 is a fraction of all updates: 0.2 of 10 is 2 updates."""
+    fraction = WarmupCallback(warmup=0.2, schedule=schedule)
+    steps = WarmupCallback(warmup=2, schedule=schedule)
+    assert [fraction.factor(s, 10) for s in range(1, 11)] == pytest.approx(
+        [steps.factor(s, 10) for s in range(1, 11)]
+    )
+
+
+def test_no_warmup() -> None:
+    assert [WarmupCallback(0, "constant").factor(s, 4) for s in range(1, 5)] == [1.0] * 4
+    linear = WarmupCallback(0.0, "linear")
+    assert [linear.factor(s, 4) for s in range(1, 5)] == pytest.approx([0.75, 0.5, 0.25, 0.0])
+
+
+def test_warmup_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="schedule"):
+        WarmupCallback(schedule="exponential")
+    with pytest.raises(ValueError, match="warmup"):
+        WarmupCallback(warmup=-0.1)
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_warmup_sets_the_rate_of_every_update() -> None:
+    """In a one-process trainer: update k uses base lr x factor(k, total_steps)."""
+    rates: list[float] = []
+
+    def record(trainer: Any) -> None:
+        if trainer.state.is_update:  # the rate the coming optimizer step uses
+            rates.append(trainer.optimizer.param_groups[0]["lr"])
+
+    warmup = WarmupCallback(warmup=0.25, schedule="linear")
+    trainer = make_trainer(
+        32, lr=0.4, n_epochs=2, callbacks_all=[warmup, on("on_backward_end", record)]
+    )
+    assert trainer.train()["steps"] == trainer.state.total_steps == 8
+    assert rates == pytest.approx([0.4 * warmup.factor(k, 8) for k in range(1, 9)])
+    assert warmup.base_lrs == [0.4]
+
+
+# ----- LRSchedulerCallback, GradientClipCallback, EarlyStopCallback, CallbackList -----
+
+
+class CountingScheduler:
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+
+
+@pytest.mark.parametrize("interval", ["step", "epoch"])
+def test_lr_scheduler_interval(interval: str) -> None:
+    scheduler = CountingScheduler()
+    callback = LRSchedulerCallback(scheduler, interval=interval)
+    for _ in range(3):
+        callback.on_step_end()
+    callback.on_epoch_end()
+    assert scheduler.steps == (3 if interval == "step" else 1)
+    with pytest.raises(ValueError, match="interval"):
+        LRSchedulerCallback(scheduler, interval="batch")
+
+
+def _model_with_grads(scale: float) -> nn.Linear:
+    model = nn.Linear(3, 2)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, scale)
+    return model
+
+
+def _flat_grad(params: Any) -> torch.Tensor:
+    grads = [p.grad for p in params]
+    assert all(g is not None for g in grads)
+    return torch.cat([g.flatten() for g in grads if g is not None])
+
+
+def _attach(callback: Callback, **trainer: Any) -> None:
+    callback.trainer = SimpleNamespace(**trainer)  # type: ignore[assignment]
+
+
+def test_gradient_clip_by_norm_only_on_updates() -> None:
+    model = _model_with_grads(10.0)
+    clip = GradientClipCallback(clip_value=1.0, clip_type="norm")
+    state = SimpleNamespace(is_update=False)
+    _attach(clip, model=model, state=state)
+    clip.on_backward_end()  # inside a window: the gradients are partial, left alone
+    assert torch.all(_flat_grad(model.parameters()) == 10.0)
+    state.is_update = True
+    clip.on_backward_end()
+    norm = torch.linalg.vector_norm(_flat_grad(model.parameters()))
+    assert norm.item() == pytest.approx(1.0, rel=1e-4)
+
+
+def test_gradient_clip_by_value_of_given_parameters() -> None:
+    model = _model_with_grads(-5.0)
+    clip = GradientClipCallback(0.5, "value", parameters=[model.weight])
+    _attach(clip, model=model, state=SimpleNamespace(is_update=True))
+    clip.on_backward_end()
+    assert torch.all(_flat_grad([model.weight]) == -0.5)
+    assert torch.all(_flat_grad([model.bias]) == -5.0)
+
+
+def test_gradient_clip_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="clip_type"):
+        GradientClipCallback(clip_type="l1")
+    with pytest.raises(ValueError, match="clip_value"):
+        GradientClipCallback(clip_value=0)
+
+
+def test_early_stop_counts_evaluations_without_improvement() -> None:
+    requests: list[int] = []
+    early = EarlyStopCallback(patience=2)
+    _attach(early, request_stop=lambda: requests.append(len(requests)))
+    for i, better in enumerate([True, False, True, False]):
+        early.on_valid_end({"acc": 0.5}, "acc", better)
+        assert not requests, f"stopped at evaluation {i}"
+    early.on_valid_end({"acc": 0.5}, "acc", False)
+    assert requests == [0]
+    with pytest.raises(ValueError, match="patience"):
+        EarlyStopCallback(patience=0)
+
+
+class Recorder(Callback):
+    def __init__(self, name: str, log: list[tuple[str, str]]) -> None:
+        self.name, self.log = name, log
+
+    def on_epoch_begin(self) -> None:
+        self.log.append(("on_epoch_begin", self.name))
+
+    def on_valid_end(self, eval_result: dict[str, float], metric_key: str, is_better: bool) -> None:
+        self.log.append(("on_valid_end", self.name))
+
+
+@pytest.mark.parametrize("is_master", [True, False])
+def test_callback_list_runs_all_then_master(is_master: bool) -> None:
+    log: list[tuple[str, str]] = []
+    all_cbs = [Recorder("a", log), Recorder("b", log)]
+    master = Recorder("m", log)
+    callbacks = CallbackList(all_cbs, [master], is_master)
+    trainer = object()
+    callbacks.set_trainer(trainer)  # type: ignore[arg-type]
+    callbacks.on_epoch_begin()
+    callbacks.on_valid_end({"acc": 1.0}, "acc", True)
+    names = ["a", "b", "m"] if is_master else ["a", "b"]
+    assert log == [(hook, n) for hook in ("on_epoch_begin", "on_valid_end") for n in names]
+    assert all(cb.trainer is trainer for cb in all_cbs)
+    assert hasattr(master, "trainer") == is_master
+
+
+# ----- window_weights -----
+
+
+@pytest.mark.parametrize(
+    ("n", "update_every", "drop_last", "expected"),
+    [
+        (32, 4, False, [0.25] * 4),
+        (28, 2, False, [0.5, 0.5, 8 / 12, 4 / 12]),  # short last window and micro-batch
+        (28, 2, True, [0.5, 0.5, 1.0]),  # the 4 left over are dropped
+        (56, 4, False, [0.25] * 4 + [8 / 24] * 3),
+        (20, 1, False, [1.0, 1.0, 1.0]),
+        (5, 2, False, [1.0]),
+        (5, 2, True, []),
+    ],
+)
+def test_window_weights(n: int, update_every: int, drop_last: bool, expected: list[float]) -> None:
+    assert window_weights(n, 8, update_every, drop_last) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("n", range(1, 60, 3))
+@pytest.mark.parametrize("update_every", [1, 2, 3, 5])
+def test_window_weights_average_each_window(n: int, update_every: int) -> None:
+    """Weighted micro-batch means of a window equal the mean over all its samples."""
+    losses = torch.rand(n, dtype=torch.float64)
+    weights = window_weights(n, 8, update_every, drop_last=False)
+    batches = losses.split(8)
+    assert len(weights) == len(batches)
+    span = 8 * update_every
+    for start in range(0, len(batches), update_every):
+        window = range(start, min(start + update_every, len(batches)))
+        weighted = sum(weights[i] * batches[i].mean() for i in window)
+        expected = losses[start * 8 : start * 8 + span].mean()
+        assert weighted.item() == pytest.approx(expected.item(), abs=1e-12)
+
+
+# ----- batches: to_device, make_forward -----
+
+
+def test_to_device_keeps_the_structure() -> None:
+    pair = (torch.zeros(1), [torch.ones(1), "text"])
+    batch: dict[str, Any] = {"x": torch.ones(2), "pair": pair, "n": 3}
+    moved = to_device(batch, torch.device("cpu"))
+    assert moved.keys() == batch.keys() and moved["n"] == 3
+    assert isinstance(moved["pair"], tuple) and isinstance(moved["pair"][1], list)
+    assert moved["pair"][1][1] == "text"
+    assert torch.equal(moved["x"], batch["x"])
+
+
+Pair = namedtuple("Pair", ["x", "target"])
+
+
+def test_to_device_keeps_namedtuple_batches() -> None:
+    """torch's default collate turns namedtuple samples into a namedtuple batch."""
+    batch = Pair(torch.ones(2, 3), torch.tensor([0, 1]))
+    moved = to_device(batch, torch.device("cpu"))
+    assert isinstance(moved, Pair)
+    assert torch.equal(moved.x, batch.x) and torch.equal(moved.target, batch.target)
+
+
+class TakesX(nn.Module):
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x * scale
+
+
+class TakesAll(nn.Module):
+    def forward(self, **fields: Any) -> list[str]:
+        return sorted(fields)
+
+
+def test_make_forward_feeds_batches() -> None:
+    x = torch.ones(2)
+    forward = make_forward(TakesX())
+    assert torch.equal(forward(TakesX(), {"x": x, "target": 1, "idx": 0}), x)
+    assert torch.equal(forward(TakesX(), {"x": x, "scale": 2.0}), 2 * x)
+    assert torch.equal(forward(TakesX(), (x, torch.zeros(2))), x)  # (input, target)
+    assert torch.equal(forward(TakesX(), (x,)), x)
+    assert torch.equal(forward(TakesX(), x), x)
+    assert make_forward(TakesAll())(TakesAll(), {"x": 1, "target": 2}) == ["target", "x"]
+
+
+# ----- metrics -----
+
+
+def test_accuracy_of_logits_and_of_class_ids() -> None:
+    target = torch.tensor([0, 1, 2, 1])
+    logits = F.one_hot(torch.tensor([0, 1, 1, 0]), 3).double()
+    for pred in (logits, logits.argmax(dim=1)):
+        metric = AccuracyMetric()
+        metric.update({"pred": pred}, {"target": target})
+        assert metric.compute(metric.state()) == {"acc": 0.5}
+
+
+def test_accuracy_ignores_padding_and_reads_named_fields() -> None:
+    metric = AccuracyMetric(pred="logits", target="label", ignore_index=-1)
+    pred = torch.tensor([[1, 2, 0], [2, 2, 2]])
+    label = torch.tensor([[1, 0, -1], [2, -1, -1]])
+    metric.update({"logits": pred}, {"label": label})
+    assert metric.state().tolist() == [2.0, 3.0]
+    assert metric.compute(metric.state()) == {"acc": 2 / 3}
+
+
+def test_accuracy_of_shards_sums_to_the_whole() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(101, 4, generator=gen)
+    target = torch.randint(0, 4, (101,), generator=gen)
+    whole = AccuracyMetric()
+    whole.update(logits, {"target": target})
+    states = []
+    for rank in range(3):  # the evaluator's shards: rank, rank + world, ...
+        shard = AccuracyMetric()
+        for start in range(rank * 8, 101, 24):  # batches of 8
+            rows = torch.arange(start, min(start + 8, 101))
+            shard.update(logits[rows], {"target": target[rows]})
+        states.append(shard.state())
+    assert torch.equal(sum(states), whole.state())  # type: ignore[arg-type]
+    assert whole.compute(sum(states)) == whole.compute(whole.state())  # type: ignore[arg-type]
+
+
+def test_accuracy_reset_and_empty() -> None:
+    metric = AccuracyMetric()
+    assert metric.compute(metric.state()) == {"acc": 0.0}
+    metric.update(torch.tensor([1, 1]), {"target": torch.tensor([1, 1])})
+    metric.reset()
+    assert metric.state().tolist() == [0.0, 0.0]
+
+
+# ----- losses -----
+
+
+def test_cross_entropy_matches_torch() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 4, generator=gen)
+    target = torch.randint(0, 4, (6,), generator=gen)
+    loss = CrossEntropyLoss()({"pred": logits}, {"target": target})
+    assert torch.allclose(loss, F.cross_entropy(logits, target))
+    assert loss.dim() == 0
+    smooth = CrossEntropyLoss(label_smoothing=0.1)(logits, (None, target))
+    assert torch.allclose(smooth, F.cross_entropy(logits, target, label_smoothing=0.1))
+
+
+def test_cross_entropy_of_sequences_skips_padding() -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 5, 3, generator=gen)
+    target = torch.tensor([[0, 1, 2, -100, -100], [2, 2, -100, -100, -100]])
+    loss = CrossEntropyLoss(pred="scores", target="tags")({"scores": logits}, {"tags": target})
+    keep = target != -100
+    assert torch.allclose(loss, F.cross_entropy(logits[keep], target[keep]))
+
+
+def test_as_loss_fn() -> None:
+    logits, target = torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
+    output, batch = {"pred": logits, "loss": torch.tensor(2.5)}, {"target": target}
+    assert as_loss_fn(None)(output, batch).item() == 2.5
+    with pytest.raises(ValueError, match="loss"):
+        as_loss_fn(None)(logits, batch)
+    torch_loss = as_loss_fn(nn.CrossEntropyLoss())(output, batch)
+    assert torch.allclose(torch_loss, F.cross_entropy(logits, target))
+    fastdist_loss = CrossEntropyLoss()
+    assert as_loss_fn(fastdist_loss) is fastdist_loss
+
+    def custom(out: Any, b: Any) -> torch.Tensor:
+        return out["pred"].sum()
+
+    assert as_loss_fn(custom) is custom
+    with pytest.raises(TypeError, match="loss must be"):
+        as_loss_fn("cross_entropy")
