@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
 from fastdist.callbacks.callback import Callback, CallbackList
+from fastdist.callbacks.json_log import JSONLogCallback
 from fastdist.distributed import (
     all_reduce_sum,
     broadcast_object,
@@ -74,7 +75,8 @@ class DistTrainer:
         update_every: micro-batches per optimizer update (gradient accumulation).
         print_every: updates between logged losses (also when stop requests are agreed).
         validate_every: evaluate every N updates; ``-1`` at the end of every epoch.
-        save_path: directory for the best model's ``state_dict``; ``None`` saves nothing.
+        save_path: directory for the best model's ``state_dict``, the checkpoints and the
+            run's JSON log (``log.jsonl``); ``None`` saves nothing.
         device: ``"auto"``/``None`` (``cuda:LOCAL_RANK`` if CUDA is available, else CPU),
             ``"cpu"``, ``"cuda"`` or a ``torch.device``.
         use_tqdm: progress bar on rank 0 when it writes to a terminal.
@@ -185,6 +187,9 @@ class DistTrainer:
         validation.check_optimizer(optimizer, model)
         self.callbacks_all = validation.check_callbacks("callbacks_all", callbacks_all)
         self.callbacks_master = validation.check_callbacks("callbacks_master", callbacks_master)
+        callbacks = self.callbacks_all + self.callbacks_master
+        if cfg.save_path and not any(isinstance(cb, JSONLogCallback) for cb in callbacks):
+            self.callbacks_master.append(JSONLogCallback())  # the run's record: save_path/log.jsonl
         self.loss_fn = as_loss_fn(loss)
         self.device = validation.resolve_device(device)
 
