@@ -34,6 +34,7 @@ class GradientClipCallback(Callback):
     def on_backward_end(self) -> None:
         if not self.trainer.state.is_update:
             return  # gradients are still partial inside an accumulation window
+        self.trainer.precision.unscale_(self.trainer.optimizer)  # fp16: true scale first
         params = self.parameters or list(self.trainer.model.parameters())
         if self.clip_type == "norm":
             torch.nn.utils.clip_grad_norm_(params, self.clip_value)

@@ -34,6 +34,11 @@ class TrainerConfig:
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
     keep_checkpoints: int = 2
+    amp: str | None = None
+    ddp_comm_hook: str | None = None
+    average_every: int = 0
+    bucket_cap_mb: float | None = None
+    prefetch_factor: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size_per_gpu", "n_epochs", "update_every", "print_every"):
@@ -57,6 +62,16 @@ class TrainerConfig:
             raise ValueError(
                 f"timeout must be a number of seconds > 0 or None, got {self.timeout!r}"
             )
+        _check_int("average_every", self.average_every, minimum=0)
+        if self.ddp_comm_hook not in (None, "fp16", "bf16", "powersgd"):
+            hook = self.ddp_comm_hook
+            raise ValueError(f"ddp_comm_hook must be None, fp16, bf16 or powersgd; got {hook!r}")
+        if self.ddp_comm_hook and self.average_every:
+            raise ValueError("ddp_comm_hook and average_every both set DDP's hook: choose one")
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+        if self.prefetch_factor is not None:
+            _check_int("prefetch_factor", self.prefetch_factor, minimum=1)
         if self.on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {self.on_nonfinite!r}")
         if self.metric_key is not None and not isinstance(self.metric_key, str):

@@ -40,8 +40,10 @@ from fastdist.trainer.best_model import BestModel
 from fastdist.trainer.checkpoint import set_rng_state
 from fastdist.trainer.checkpointer import Checkpointer
 from fastdist.trainer.config import TrainerConfig
+from fastdist.trainer.ddp import DDPWrapper
 from fastdist.trainer.evaluator import Evaluator
 from fastdist.trainer.failure import install_excepthook, report_failure
+from fastdist.trainer.precision import Precision
 from fastdist.trainer.safety import (
     check_even_shards,
     check_in_sync,
@@ -97,6 +99,17 @@ class DistTrainer:
         checkpoint_dir: where checkpoints go; default ``<save_path>/checkpoints``; with
             neither, no checkpoints are written.
         keep_checkpoints: how many of the newest checkpoints to keep.
+        amp: mixed precision: ``"bf16"`` (autocast; CPU or GPU) or ``"fp16"`` (autocast and a
+            gradient scaler; CUDA only); ``None``: fp32.
+        fp16: fastNLP's switch, the same as ``amp="fp16"``.
+        ddp_comm_hook: ``"fp16"``/``"bf16"`` (gradients all-reduced in half precision) or
+            ``"powersgd"`` (low-rank compression), torch's DDP communication hooks.
+        average_every: post-local SGD: after that many warm-up updates, ranks step on their own
+            gradients and average parameters every ``average_every`` updates (0: off).
+        static_graph, gradient_as_bucket_view, bucket_cap_mb: passed to DDP.
+        pin_memory: page-locked batches for faster copies to the GPU; default: on CUDA.
+        persistent_workers, prefetch_factor: passed to the DataLoader (with ``num_workers``).
+        compile: ``torch.compile`` the model (in place) before wrapping it.
 
     Example:
         >>> trainer = DistTrainer(train_data, model, optimizer, loss=CrossEntropyLoss(),
@@ -140,6 +153,17 @@ class DistTrainer:
         checkpoint_every: int = 0,
         checkpoint_dir: str | None = None,
         keep_checkpoints: int = 2,
+        amp: str | None = None,
+        fp16: bool = False,
+        ddp_comm_hook: str | None = None,
+        average_every: int = 0,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        bucket_cap_mb: float | None = None,
+        pin_memory: bool | None = None,
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
+        compile: bool = False,
     ) -> None:
         # 1. Validate everything, identically on every rank, before any collective.
         self.config = cfg = TrainerConfig(
@@ -163,6 +187,11 @@ class DistTrainer:
             checkpoint_every=checkpoint_every,
             checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
             keep_checkpoints=keep_checkpoints,
+            amp="fp16" if fp16 and amp is None else amp,
+            ddp_comm_hook=ddp_comm_hook,
+            average_every=average_every,
+            bucket_cap_mb=bucket_cap_mb,
+            prefetch_factor=prefetch_factor,
         )
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -192,6 +221,9 @@ class DistTrainer:
             self.callbacks_master.append(JSONLogCallback())  # the run's record: save_path/log.jsonl
         self.loss_fn = as_loss_fn(loss)
         self.device = validation.resolve_device(device)
+        self.precision = Precision(cfg.amp, self.device)
+        if ddp_comm_hook == "bf16" and self.device.type != "cuda":
+            raise ValueError("ddp_comm_hook='bf16' needs CUDA and NCCL; use 'fp16' with gloo")
 
         # 2. Process group, model placement and DDP.
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -206,16 +238,24 @@ class DistTrainer:
         if is_distributed() and timeout is not None:
             self.group = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
         self.model = model.to(self.device)
+        self.forward = make_forward(self.model)  # from the signature, before compiling
+        if compile:
+            self.model.compile()
         self.optimizer = optimizer
+        self.ddp: DDPWrapper | None = None
         self.ddp_model: nn.Module = self.model
         if is_distributed():
-            self.ddp_model = DistributedDataParallel(
-                self.model,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                find_unused_parameters=find_unused_parameters,
-                process_group=self.group,
+            ddp_options: dict[str, Any] = {
+                "find_unused_parameters": find_unused_parameters,
+                "static_graph": static_graph,
+                "gradient_as_bucket_view": gradient_as_bucket_view,
+            }
+            if bucket_cap_mb is not None:
+                ddp_options["bucket_cap_mb"] = bucket_cap_mb
+            self.ddp = DDPWrapper(
+                self.model, self.device, self.group, ddp_comm_hook, average_every, **ddp_options
             )
-        self.forward = make_forward(self.model)
+            self.ddp_model = self.ddp.module
 
         # 3. Data, evaluation, callbacks, checkpoints and state.
         self.train_data, self.dev_data = train_data, dev_data
@@ -226,7 +266,9 @@ class DistTrainer:
             num_workers=num_workers,
             collate_fn=collate_fn,
             drop_last=drop_last,
-            pin_memory=self.device.type == "cuda",
+            pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
+            persistent_workers=persistent_workers and num_workers > 0,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
         )
         check_even_shards(len(self.train_loader), self.group)
         self.evaluator = Evaluator(
@@ -364,11 +406,12 @@ class DistTrainer:
                 callbacks.on_batch_begin(batch)
                 # Only the last micro-batch of a window all-reduces gradients.
                 with contextlib.nullcontext() if state.is_update else self._no_sync():
-                    output = self.forward(self.ddp_model, batch)
-                    callbacks.on_loss_begin(batch, output)
-                    loss = self._compute_loss(output, batch)
+                    with self.precision.autocast():
+                        output = self.forward(self.ddp_model, batch)
+                        callbacks.on_loss_begin(batch, output)
+                        loss = self._compute_loss(output, batch)
                     callbacks.on_backward_begin(loss)
-                    (loss * self.weights[batch_idx]).backward()
+                    self.precision.backward(loss * self.weights[batch_idx])
                 callbacks.on_backward_end()
                 if state.is_update and self._optimizer_step():
                     if state.global_step % cfg.print_every == 0:
@@ -462,8 +505,13 @@ class DistTrainer:
     def _optimizer_step(self) -> bool:
         """Step unless the gradients are non-finite (``on_nonfinite="skip"``); say if it did."""
         state, cfg = self.state, self.config
-        finite = gradients_finite(self.model)
-        if not finite:
+        # With fp16 the gradient scaler handles overflow itself, skipping such steps.
+        finite = self.precision.scaler is not None or gradients_finite(self.model)
+        if finite:
+            finite = self.precision.step(self.optimizer)
+            if not finite:
+                state.skipped_steps += 1
+        else:
             culprits = nonfinite_ranks(self._window_loss, self.group)
             message = (
                 f"non-finite loss or gradient at epoch {state.epoch} update "
@@ -473,11 +521,12 @@ class DistTrainer:
                 raise FloatingPointError(message + " (on_nonfinite='skip' skips such updates)")
             logger.warning("%s: skipping this update on every rank", message)
             state.skipped_steps += 1
-        else:
-            self.optimizer.step()
+        if finite:
             self._loss_sum += self._window_loss
             self._loss_count += self._window_count
             state.global_step += 1
+            if self.ddp is not None:
+                self.ddp.after_step(self.model, state.global_step)  # local SGD's averaging
             state.samples_in_epoch = self._epoch_start + (state.batch_idx + 1) * (
                 cfg.batch_size_per_gpu * self.world_size
             )
@@ -591,6 +640,8 @@ class DistTrainer:
             "callbacks_all": [cb.state_dict() for cb in self.callbacks_all],
             "callbacks_master": [cb.state_dict() for cb in self.callbacks_master],
             "trainer": self.state.state_dict(),
+            "precision": self.precision.state_dict(),
+            "ddp": {} if self.ddp is None else self.ddp.state_dict(),
             "best_model_path": self.best.path,
             "world_size": self.world_size,
             "seed": self.config.seed,
@@ -608,6 +659,9 @@ class DistTrainer:
             ):
                 cb.load_state_dict(cb_state)
         self.state.load_state_dict(checkpoint["trainer"])
+        self.precision.load_state_dict(checkpoint["precision"])
+        if self.ddp is not None:
+            self.ddp.load_state_dict(checkpoint["ddp"])
         self.state.n_epochs = self.config.n_epochs
         self.best.path = checkpoint["best_model_path"]
         rngs = checkpoint.get("rng", [])
