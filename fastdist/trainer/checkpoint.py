@@ -83,17 +83,28 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def encode_numpy_state(state: Any) -> dict[str, Any]:
+    """A NumPy ``RandomState.get_state()`` tuple as tensors and plain data."""
+    _, keys, pos, has_gauss, gauss = state
+    return {
+        "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(gauss),
+    }
+
+
+def decode_numpy_state(state: dict[str, Any]) -> tuple:
+    """The tuple ``RandomState.set_state`` takes, from :func:`encode_numpy_state`."""
+    keys = state["keys"].numpy().astype(np.uint32)
+    return ("MT19937", keys, state["pos"], state["has_gauss"], state["cached_gaussian"])
+
+
 def rng_state() -> dict[str, Any]:
     """This process's random generator states, as tensors and plain data."""
-    _, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
     return {
         "python": random.getstate(),
-        "numpy": {
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(gauss),
-        },
+        "numpy": encode_numpy_state(np.random.get_state(legacy=True)),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
@@ -102,10 +113,7 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`rng_state` returned."""
     random.setstate(state["python"])
-    np_state = state["numpy"]
-    keys = np_state["keys"].numpy().astype(np.uint32)
-    pos, has_gauss, gauss = np_state["pos"], np_state["has_gauss"], np_state["cached_gaussian"]
-    np.random.set_state(("MT19937", keys, pos, has_gauss, gauss))
+    np.random.set_state(decode_numpy_state(state["numpy"]))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
