@@ -14,6 +14,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -73,6 +75,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def torchrun_command(
+    script: str | Path, nproc: int, args: Sequence[str] = (), options: Sequence[str] = ()
+) -> list[str]:
+    """``python -m torch.distributed.run --nproc-per-node=N OPTIONS script ARGS``."""
+    run = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    return [*run, *options, str(script), *args]
+
+
 def run_torchrun(
     script: str | Path,
     nproc: int,
@@ -89,19 +99,9 @@ def run_torchrun(
     fails because the rendezvous port was taken meanwhile is retried once on another port.
     """
     for _attempt in range(2):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
-            "--nnodes=1",
-            "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}",
-            "--max-restarts=0",
-            str(script),
-            *args,
-        ]
-        result = _run(cmd, timeout, env, cwd, check=False)
+        options = ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+        cmd = torchrun_command(script, nproc, args, [*options, "--max-restarts=0"])
+        (result,) = run_together([Launch(cmd, env, cwd)], timeout)
         if result.returncode == 0 or "address already in use" not in result.output.lower():
             break
     return _checked(result, check)
@@ -116,7 +116,8 @@ def run_python(
     check: bool = True,
 ) -> Result:
     """Run ``python script args`` as one plain process, with no torchrun variables set."""
-    return _run([sys.executable, str(script), *args], timeout, env, cwd, check)
+    (result,) = run_together([Launch([sys.executable, str(script), *args], env, cwd)], timeout)
+    return _checked(result, check)
 
 
 def _checked(result: Result, check: bool) -> Result:
@@ -140,36 +141,68 @@ def _launch_env(extra: Mapping[str, str] | None, token: str) -> dict[str, str]:
     return env
 
 
-def _run(
-    cmd: list[str],
-    timeout: float,
-    env: Mapping[str, str] | None,
-    cwd: str | Path | None,
-    check: bool,
-) -> Result:
-    """Run ``cmd`` in a new session; on timeout kill all its processes and raise."""
+@dataclass(frozen=True)
+class Launch:
+    """One command to start: its extra environment and working directory."""
+
+    cmd: list[str]
+    env: Mapping[str, str] | None = None
+    cwd: str | Path | None = None
+
+
+def run_together(launches: Sequence[Launch], timeout: float) -> list[Result]:
+    """Start every launch at once (e.g. two torchrun "nodes"), wait for all, within ``timeout``.
+
+    Each runs in a new session with its output in a temp file (no pipe can fill up and
+    stall it). On timeout every process of every launch is killed and ``AssertionError``
+    carries all the output so far.
+    """
     token = uuid.uuid4().hex
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_launch_env(env, token),
-        cwd=cwd if cwd is not None else REPO_ROOT,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_launch(proc, token)
-        stdout, stderr = proc.communicate(timeout=30)
-        result = Result(cmd, proc.returncode, stdout, stderr)
-        raise AssertionError(f"launch timed out after {timeout} s\n{result.describe()}") from None
-    except BaseException:  # KeyboardInterrupt, pytest-timeout: leave no process behind
-        _kill_launch(proc, token)
-        proc.wait()
-        raise
-    return _checked(Result(cmd, proc.returncode, stdout, stderr), check)
+    with contextlib.ExitStack() as stack:
+        outs = [
+            (
+                stack.enter_context(tempfile.TemporaryFile("w+")),
+                stack.enter_context(tempfile.TemporaryFile("w+")),
+            )
+            for _ in launches
+        ]
+        procs = [
+            subprocess.Popen(
+                launch.cmd,
+                stdout=out,
+                stderr=err,
+                text=True,
+                env=_launch_env(launch.env, token),
+                cwd=launch.cwd if launch.cwd is not None else REPO_ROOT,
+                start_new_session=True,
+            )
+            for launch, (out, err) in zip(launches, outs, strict=True)
+        ]
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        except BaseException:  # KeyboardInterrupt, pytest-timeout: leave no process behind
+            for proc in procs:
+                _kill_launch(proc, token)
+            raise
+        if timed_out:
+            for proc in procs:
+                _kill_launch(proc, token)
+        for proc in procs:
+            proc.wait()
+        results = []
+        for launch, proc, (out, err) in zip(launches, procs, outs, strict=True):
+            out.seek(0)
+            err.seek(0)
+            results.append(Result(launch.cmd, proc.returncode, out.read(), err.read()))
+    if timed_out:
+        described = "\n".join(r.describe() for r in results)
+        raise AssertionError(f"launch timed out after {timeout} s\n{described}")
+    return results
 
 
 def _kill_launch(proc: subprocess.Popen[str], token: str) -> None:

@@ -18,6 +18,7 @@ from fastdist.distributed.env import (
     init_distributed,
     is_distributed,
     is_master,
+    is_multi_node,
 )
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "init_distributed",
     "is_distributed",
     "is_master",
+    "is_multi_node",
     "rank_zero_first",
     "rank_zero_only",
 ]

@@ -15,7 +15,12 @@ import sys
 import torch
 import torch.distributed as dist
 
+from fastdist.distributed.slurm import apply_slurm_env
+
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# Under ``srun python train.py`` (no torchrun) SLURM's variables say the ranks.
+apply_slurm_env()
 
 
 def _env_int(name: str, default: int) -> int:
@@ -46,6 +51,11 @@ def get_node_rank() -> int:
     """Index of this process's node (torchrun's ``GROUP_RANK``; 0 on one node)."""
     local_world = _env_int("LOCAL_WORLD_SIZE", get_world_size())
     return _env_int("GROUP_RANK", get_rank() // max(local_world, 1))
+
+
+def is_multi_node() -> bool:
+    """Whether the job spans several nodes (torchrun's ``LOCAL_WORLD_SIZE`` < world size)."""
+    return _env_int("LOCAL_WORLD_SIZE", get_world_size()) < get_world_size()
 
 
 def is_master() -> bool:

@@ -8,7 +8,13 @@ import sys
 
 from tqdm import tqdm
 
-from fastdist.distributed.env import get_rank, get_world_size
+from fastdist.distributed.env import (
+    get_local_rank,
+    get_node_rank,
+    get_rank,
+    get_world_size,
+    is_multi_node,
+)
 
 LOGGER_NAME = "fastdist"
 _FORMAT = "%(asctime)s %(levelname)s%(rank_tag)s %(message)s"
@@ -24,7 +30,11 @@ class _RankFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         rank = get_rank()
-        record.rank_tag = f" [rank {rank}]" if get_world_size() > 1 else ""
+        record.rank_tag = ""
+        if is_multi_node():
+            record.rank_tag = f" [rank {rank} = node {get_node_rank()}/{get_local_rank()}]"
+        elif get_world_size() > 1:
+            record.rank_tag = f" [rank {rank}]"
         return not self.gate or rank == 0 or record.levelno >= logging.WARNING
 
 

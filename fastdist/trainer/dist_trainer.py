@@ -29,8 +29,10 @@ from fastdist.distributed import (
     get_world_size,
     init_distributed,
     is_distributed,
+    is_multi_node,
 )
 from fastdist.distributed.position import PositionBoard
+from fastdist.distributed.storage import check_shared_dirs
 from fastdist.logging import logger
 from fastdist.losses import as_loss_fn
 from fastdist.metrics import Metric
@@ -271,6 +273,9 @@ class DistTrainer:
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
         )
         check_even_shards(len(self.train_loader), self.group)
+        if is_multi_node():
+            shared = [("save_path", cfg.save_path), ("checkpoint_dir", cfg.checkpoint_dir)]
+            check_shared_dirs([(name, path) for name, path in shared if path], self.group)
         self.evaluator = Evaluator(
             self.model,
             self.forward,
