@@ -22,18 +22,21 @@ from fastdist.distributed import (
 )
 from fastdist.logging import add_file, init_logger_dist, logger
 from fastdist.losses import CrossEntropyLoss, Loss
-from fastdist.metrics import AccuracyMetric, Metric
+from fastdist.metrics import AccuracyMetric, ClassifyFPreRecMetric, LossMetric, Metric
 from fastdist.seed import set_seed
 from fastdist.trainer import DistTrainer
+from fastdist.trainer.predict import predict
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccuracyMetric",
     "Callback",
+    "ClassifyFPreRecMetric",
     "CrossEntropyLoss",
     "DistTrainer",
     "Loss",
+    "LossMetric",
     "Metric",
     "add_file",
     "all_gather_object",
@@ -46,6 +49,7 @@ __all__ = [
     "init_logger_dist",
     "is_master",
     "logger",
+    "predict",
     "rank_zero_first",
     "rank_zero_only",
     "set_seed",

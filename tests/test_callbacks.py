@@ -26,6 +26,7 @@ from fastdist.callbacks import (
 )
 from fastdist.losses import as_loss_fn
 from fastdist.trainer.batch import make_forward, to_device, window_weights
+from fastdist.trainer.precision import Precision
 
 # ----- WarmupCallback -----
 
@@ -133,6 +134,8 @@ def _flat_grad(params: Any) -> torch.Tensor:
 
 
 def _attach(callback: Callback, **trainer: Any) -> None:
+    trainer.setdefault("precision", Precision(None, torch.device("cpu")))  # fp32: no unscaling
+    trainer.setdefault("optimizer", None)
     callback.trainer = SimpleNamespace(**trainer)  # type: ignore[assignment]
 
 

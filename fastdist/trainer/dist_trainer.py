@@ -35,7 +35,6 @@ from fastdist.distributed.position import PositionBoard
 from fastdist.distributed.storage import check_shared_dirs
 from fastdist.logging import logger
 from fastdist.losses import as_loss_fn
-from fastdist.metrics import Metric
 from fastdist.trainer import validation
 from fastdist.trainer.batch import make_forward, to_device, window_weights
 from fastdist.trainer.best_model import BestModel
@@ -46,6 +45,7 @@ from fastdist.trainer.ddp import DDPWrapper
 from fastdist.trainer.evaluator import Evaluator
 from fastdist.trainer.failure import install_excepthook, report_failure
 from fastdist.trainer.precision import Precision
+from fastdist.trainer.predict import predict as run_predict
 from fastdist.trainer.safety import (
     check_even_shards,
     check_in_sync,
@@ -73,7 +73,8 @@ class DistTrainer:
         num_workers: DataLoader worker processes per rank.
         drop_last: drop the last incomplete batch of every epoch instead of a short one.
         dev_data: evaluated with ``metrics`` every epoch or every ``validate_every`` updates.
-        metrics: a :class:`~fastdist.metrics.Metric` or a list of them.
+        metrics: a :class:`~fastdist.metrics.Metric`, a ``torchmetrics.Metric``, or a list
+            or ``{key: metric}`` dict of them.
         metric_key: the result key that picks the best model; ``"-loss"`` means lower is
             better; default: the first key of the first metric.
         update_every: micro-batches per optimizer update (gradient accumulation).
@@ -135,7 +136,7 @@ class DistTrainer:
         num_workers: int = 0,
         drop_last: bool = False,
         dev_data: Dataset | None = None,
-        metrics: Metric | Sequence[Metric] | None = None,
+        metrics: Any = None,
         metric_key: str | None = None,
         update_every: int = 1,
         print_every: int = 10,
@@ -435,7 +436,8 @@ class DistTrainer:
                 state.epoch_complete = True
                 if cfg.validate_every < 0:
                     self._validate()
-            callbacks.on_epoch_end()
+            if not self.preempted:  # a pre-empted epoch has not ended: it resumes later
+                callbacks.on_epoch_end()
             if state.epoch_complete:
                 self.checkpointer.save(self)
             if stop or self._sync():
@@ -460,10 +462,14 @@ class DistTrainer:
         self.weights = window_weights(
             n_samples, cfg.batch_size_per_gpu, cfg.update_every, cfg.drop_last
         )
+        # iter() draws from the torch RNG. A checkpoint at an epoch end was taken before that
+        # draw, one inside an epoch after it: restore the saved state on the matching side.
+        resume_rng, self._resume_rng = self._resume_rng, None
+        if resume_rng is not None and start == 0:
+            set_rng_state(resume_rng)
         batches = iter(self.train_loader)
-        if self._resume_rng is not None:  # after iter(): making it draws from the torch RNG
-            set_rng_state(self._resume_rng)
-            self._resume_rng = None
+        if resume_rng is not None and start > 0:
+            set_rng_state(resume_rng)
         return itertools.islice(batches, skip, None)
 
     def _updates_left(self) -> int:
@@ -611,6 +617,39 @@ class DistTrainer:
         result = self.evaluator.evaluate(data)
         self.board.move(phase="train")
         return result
+
+    def predict(
+        self,
+        data: Dataset,
+        batch_size_per_gpu: int | None = None,
+        output_path: str | os.PathLike | None = None,
+        **kwargs: Any,
+    ) -> list[Any] | None:
+        """Run the model over ``data`` sharded over all ranks; rank 0 gets the outputs in order.
+
+        Call it on every rank. ``kwargs`` go to :func:`fastdist.predict` (``writer``,
+        ``shared_dir``, ``to_output``, ``collate_fn``, ``num_workers``).
+
+        Example:
+            >>> preds = trainer.predict(test_data)  # a list on rank 0, None elsewhere
+        """
+        self.board.publish(phase="predict")
+        with torch.no_grad():  # every shard with rank 0's buffers, as evaluate() does
+            broadcast_tensors(self.model.buffers(), group=self.group)
+        kwargs.setdefault("collate_fn", self.evaluator.collate_fn)
+        kwargs.setdefault("num_workers", self.config.num_workers)
+        try:
+            return run_predict(
+                self.model,
+                data,
+                batch_size_per_gpu or self.config.eval_batch_size,
+                output_path=output_path,
+                device=self.device,
+                group=self.group,
+                **kwargs,
+            )
+        finally:
+            self.board.move(phase="train")
 
     def _validate(self) -> None:
         if self.dev_data is None:

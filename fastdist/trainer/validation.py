@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,6 +11,7 @@ from torch import nn
 from fastdist.callbacks.callback import Callback
 from fastdist.distributed import get_local_rank
 from fastdist.metrics import Metric
+from fastdist.metrics_torchmetrics import as_fastdist_metric, is_torchmetrics_metric
 
 
 def check_dataset(name: str, data: Any) -> int:
@@ -22,14 +23,25 @@ def check_dataset(name: str, data: Any) -> int:
     return len(data)
 
 
-def as_metric_list(metrics: Metric | Sequence[Metric] | None) -> list[Metric]:
+def as_metric_list(metrics: Any) -> list[Metric]:
+    """The ``metrics`` argument as a list of fastdist metrics.
+
+    Accepts a metric, a sequence of them, or a dict ``{key: metric}``. ``torchmetrics.Metric``
+    objects are wrapped in :class:`~fastdist.metrics_torchmetrics.TorchMetricsAdapter`,
+    reporting their dict key, or else their class name in lower case.
+    """
     if metrics is None:
         return []
-    items = [metrics] if isinstance(metrics, Metric) else list(metrics)
+    if isinstance(metrics, Mapping):
+        items = [as_fastdist_metric(metric, key) for key, metric in metrics.items()]
+    elif isinstance(metrics, Metric) or is_torchmetrics_metric(metrics):
+        items = [as_fastdist_metric(metrics)]
+    elif isinstance(metrics, Iterable):
+        items = [as_fastdist_metric(metric) for metric in metrics]
+    else:
+        raise TypeError(f"metrics must be a Metric, a list or a dict, got {type(metrics).__name__}")
     seen: dict[str, str] = {}
     for metric in items:
-        if not isinstance(metric, Metric):
-            raise TypeError(f"metrics must be fastdist Metric objects, got {type(metric).__name__}")
         for key in metric.keys:
             if key in seen:
                 name = type(metric).__name__

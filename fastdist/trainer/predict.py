@@ -1,0 +1,399 @@
+"""Distributed prediction: every rank runs its shard, rank 0 gets the outputs in dataset order.
+
+The data is sharded with :class:`~fastdist.trainer.evaluator.ShardSampler` (rank ``r`` of ``w``
+takes indices ``r, r + w, ...``, no padding duplicates). Each rank runs the model with no
+collective inside its loop, so uneven shards never hang, and streams its per-sample outputs to
+a spill file in a directory every rank can see. After one collective rank 0 merges the files
+round-robin (index ``i`` is record ``i // w`` of rank ``i % w``), reading one record at a time:
+no rank holds all outputs in memory unless a list is asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import IO, Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+from fastdist.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
+from fastdist.distributed.storage import check_shared_dirs
+from fastdist.trainer.batch import make_forward, to_device
+from fastdist.trainer.evaluator import ShardSampler
+
+#: ``to_output(output, batch)``: the per-sample outputs of one batch, in batch order.
+ToOutput = Callable[[Any, Any], list[Any]]
+#: ``writer(index, output)``: called on rank 0 for every sample in dataset order.
+Writer = Callable[[int, Any], None]
+
+_PREFIX = "fastdist-predict-"
+
+
+def predict(
+    model: nn.Module,
+    data: Dataset | Sequence[Any],
+    batch_size_per_gpu: int = 8,
+    output_path: str | os.PathLike | None = None,
+    writer: Writer | None = None,
+    collate_fn: Callable | None = None,
+    device: str | torch.device | None = None,
+    shared_dir: str | os.PathLike | None = None,
+    to_output: ToOutput | None = None,
+    group: Any = None,
+    num_workers: int = 0,
+) -> list[Any] | None:
+    """Run ``model`` over ``data`` on every rank; rank 0 gets the outputs in dataset order.
+
+    Call it on every rank. Each rank predicts its shard in eval mode under ``torch.no_grad()``
+    (a ``DistributedDataParallel`` model is unwrapped first) and streams each sample's output
+    to ``<shared_dir>/fastdist-predict-XXXX/rank<r>.*``; rank 0 then merges the files in
+    dataset order. Every sample is predicted exactly once, whatever the world size.
+
+    By default a batch's output becomes per-sample outputs like this: a tensor is split along
+    dim 0 into Python lists (``output.tolist()``); a dict gives a dict per sample of its
+    per-sample entries (tensors and lists whose first dimension is the batch size; scalars
+    such as a batch loss are left out); a list or tuple as long as the batch is taken as one
+    item per sample. ``to_output(output, batch)`` overrides this and must return one object
+    per sample of the batch.
+
+    The spill directory is created by rank 0 in ``shared_dir`` (default: rank 0's temp dir,
+    ``TMPDIR``) with owner-only permissions, checked up front to be visible from every rank,
+    and removed at the end, also when a rank raises. On several nodes ``shared_dir`` must be
+    on a filesystem every node mounts at the same path (NFS, Lustre, ...); if it is not, every
+    rank raises before predicting anything. A rank killed outright (SIGKILL, segfault) may
+    leave a ``fastdist-predict-*`` directory behind.
+
+    Args:
+        model: the module (or its DDP wrapper); batches are fed as in training
+            (:func:`~fastdist.trainer.batch.make_forward`).
+        data: map-style dataset (a list will do).
+        batch_size_per_gpu: batch size of each rank.
+        output_path: rank 0 writes one JSON line per sample, in dataset order, to this file
+            (through a temporary file renamed at the end) and returns ``None``; the outputs
+            must then be JSON-serializable.
+        writer: instead of a list or a file, rank 0 calls ``writer(index, output)`` for every
+            sample in dataset order and returns ``None``.
+        collate_fn: turns a list of samples into a batch; default torch's.
+        device: where batches go; default the device of the model's first parameter.
+        shared_dir: the directory the spill directory is created in.
+        to_output: ``to_output(output, batch) -> list``, one object per sample of the batch.
+        group: process group of the collectives (all ranks); default the world.
+        num_workers: DataLoader worker processes per rank.
+
+    Returns:
+        On rank 0 the list of per-sample outputs in dataset order, or ``None`` with
+        ``output_path`` or ``writer``; ``None`` on every other rank.
+
+    Example:
+        >>> preds = predict(model, test_data, batch_size_per_gpu=32)  # on every rank
+        >>> if get_rank() == 0:
+        ...     print(len(preds) == len(test_data))
+        >>> predict(model, test_data, output_path="pred.jsonl")  # rank 0 writes the file
+    """
+    n = _check_args(data, batch_size_per_gpu, output_path, writer, to_output, num_workers)
+    rank, world = get_rank(), get_world_size()
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    if device is None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    device = torch.device(device)
+    as_json = output_path is not None
+    work = _open_work_dir(shared_dir, output_path, rank, group)
+    spill = _spill_path(work, rank, as_json)
+    handed_over = False  # another rank's spill file stays until rank 0 has read it
+    try:
+        sampler = ShardSampler(n, rank, world)
+        error: str | None = None
+        failure: Exception | None = None
+        try:
+            _predict_shard(
+                model,
+                data,
+                sampler,
+                batch_size_per_gpu,
+                collate_fn,
+                num_workers,
+                device,
+                to_output,
+                spill,
+                as_json,
+            )
+        except Exception as exc:  # the others must still learn of it: no rank may hang
+            failure, error = exc, f"{type(exc).__name__}: {exc}"
+        # The one collective after the loop: a barrier that also carries every rank's outcome.
+        failed = _agree(error, group)
+        if failed:
+            _cleanup(work, rank, (spill,))
+            _barrier(group)  # nobody raises (and exits) before rank 0 has removed the dir
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"predict failed on {_describe(failed)}")
+        if rank != 0:
+            handed_over = True
+            return None
+        return _merge(work, n, world, as_json, output_path, writer)
+    finally:
+        if not handed_over:
+            _cleanup(work, rank, (spill,))
+
+
+def split_output(output: Any, n: int) -> list[Any]:
+    """The default per-sample split of one batch's model output (see :func:`predict`).
+
+    Example:
+        >>> split_output(torch.tensor([[1, 2], [3, 4]]), 2)
+        [[1, 2], [3, 4]]
+        >>> split_output({"pred": torch.tensor([0, 1]), "loss": torch.tensor(0.5)}, 2)
+        [{'pred': 0}, {'pred': 1}]
+    """
+    if isinstance(output, torch.Tensor):
+        if output.dim() == 0 or output.size(0) != n:
+            raise ValueError(
+                f"the model output has shape {tuple(output.shape)}, not a first dimension of the "
+                f"batch size {n}: pass to_output=fn(output, batch) returning one item per sample"
+            )
+        return output.detach().cpu().tolist()
+    if isinstance(output, Mapping):
+        columns: dict[Any, list[Any]] = {}
+        for key, value in output.items():
+            column = _column(key, value, n)
+            if column is not None:
+                columns[key] = column
+        if not columns:
+            raise ValueError(
+                f"no entry of the model's dict output {sorted(map(str, output))} holds one value "
+                f"per sample (batch size {n}): pass to_output=fn(output, batch)"
+            )
+        return [{key: column[i] for key, column in columns.items()} for i in range(n)]
+    if isinstance(output, (list, tuple)) and len(output) == n:
+        return [_plain(item) for item in output]
+    raise TypeError(
+        f"cannot split a model output of type {type(output).__name__} into {n} samples: "
+        "pass to_output=fn(output, batch) returning one item per sample"
+    )
+
+
+def _column(key: Any, value: Any, n: int) -> list[Any] | None:
+    """The per-sample values of one dict entry, or ``None`` for a batch-level entry."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            return None
+        if value.size(0) != n:
+            raise ValueError(
+                f"output[{key!r}] has shape {tuple(value.shape)}, not a first dimension of the "
+                f"batch size {n}: pass to_output=fn(output, batch) returning one item per sample"
+            )
+        return value.detach().cpu().tolist()
+    if isinstance(value, (list, tuple)) and len(value) == n:
+        return [_plain(item) for item in value]
+    return None
+
+
+def _plain(item: Any) -> Any:
+    return item.detach().cpu().tolist() if isinstance(item, torch.Tensor) else item
+
+
+def _check_args(
+    data: Any,
+    batch_size: Any,
+    output_path: Any,
+    writer: Any,
+    to_output: Any,
+    num_workers: Any,
+) -> int:
+    """Validate alike on every rank, before any collective; return ``len(data)``."""
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise TypeError("data must be a map-style dataset (with __len__ and __getitem__)")
+    for name, value, minimum in (
+        ("batch_size_per_gpu", batch_size, 1),
+        ("num_workers", num_workers, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if output_path is not None and writer is not None:
+        raise ValueError("pass output_path= or writer=, not both")
+    for name, fn in (("writer", writer), ("to_output", to_output)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    return len(data)
+
+
+def _open_work_dir(
+    shared_dir: str | os.PathLike | None,
+    output_path: str | os.PathLike | None,
+    rank: int,
+    group: Any,
+) -> str:
+    """Rank 0 creates the spill directory; every rank checks it is shared, or all raise."""
+    proposal: tuple[str, str | None] | None = None
+    if rank == 0:
+        work, error = "", None
+        try:
+            if output_path is not None:
+                parent = os.path.dirname(os.path.abspath(output_path))
+                if not os.path.isdir(parent):
+                    raise FileNotFoundError(f"output_path's directory {parent!r} does not exist")
+            work = tempfile.mkdtemp(prefix=_PREFIX, dir=shared_dir)  # mode 0o700
+        except OSError as exc:
+            error = f"rank 0 could not prepare the prediction: {exc}"
+        proposal = (work, error)
+    try:
+        work, error = broadcast_object(proposal, src=0, group=group)
+    except BaseException:
+        if proposal is not None and proposal[0]:
+            shutil.rmtree(proposal[0], ignore_errors=True)
+        raise
+    if error is not None:
+        raise RuntimeError(error)
+    try:
+        check_shared_dirs([("shared_dir", work)], group)  # on several nodes: really shared?
+    except BaseException:
+        _cleanup(work, rank, ())
+        raise
+    return work
+
+
+def _predict_shard(
+    model: nn.Module,
+    data: Dataset | Sequence[Any],
+    sampler: ShardSampler,
+    batch_size: int,
+    collate_fn: Callable | None,
+    num_workers: int,
+    device: torch.device,
+    to_output: ToOutput | None,
+    spill: str,
+    as_json: bool,
+) -> None:
+    """Predict this rank's shard and stream the outputs to ``spill``; no collectives."""
+    loader = DataLoader(
+        data,  # type: ignore[arg-type]  # any sequence works at run time
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=collate_fn,
+        pin_memory=device.type == "cuda",
+    )
+    forward = make_forward(model)
+    was_training = model.training
+    model.eval()
+    position = 0
+    try:
+        with open(spill, "w" if as_json else "wb") as f, torch.no_grad():
+            for batch in loader:
+                indices = sampler.indices[position : position + batch_size]
+                batch = to_device(batch, device)
+                output = forward(model, batch)
+                items = (
+                    split_output(output, len(indices))
+                    if to_output is None
+                    else to_output(output, batch)
+                )
+                if len(items) != len(indices):
+                    raise ValueError(
+                        f"to_output returned {len(items)} outputs for a batch of "
+                        f"{len(indices)} samples: it must return one per sample"
+                    )
+                for index, item in zip(indices, items, strict=True):
+                    if as_json:
+                        f.write(json.dumps(item) + "\n")
+                    else:
+                        pickle.dump((index, item), f, protocol=pickle.HIGHEST_PROTOCOL)
+                position += len(indices)
+    finally:
+        model.train(was_training)
+
+
+def _merge(
+    work: str,
+    n: int,
+    world: int,
+    as_json: bool,
+    output_path: str | os.PathLike | None,
+    writer: Writer | None,
+) -> list[Any] | None:
+    """On rank 0: read the spill files round-robin, one record at a time, in dataset order."""
+    with contextlib.ExitStack() as stack:
+        files = [
+            stack.enter_context(open(_spill_path(work, r, as_json), "r" if as_json else "rb"))
+            for r in range(min(world, n))
+        ]
+        if output_path is not None:
+            _write_lines(output_path, _json_lines(files, n))
+            return None
+        records = _records(files, n)
+        if writer is not None:
+            for index, item in records:
+                writer(index, item)
+            return None
+        return [item for _index, item in records]
+
+
+def _json_lines(files: list[IO[Any]], n: int) -> Iterator[str]:
+    world = len(files)
+    for index in range(n):
+        line = files[index % world].readline()
+        if not line.endswith("\n"):
+            raise RuntimeError(f"the spill file of rank {index % world} ended early")
+        yield line
+
+
+def _records(files: list[IO[Any]], n: int) -> Iterator[tuple[int, Any]]:
+    world = len(files)
+    for index in range(n):
+        try:
+            got, item = pickle.load(files[index % world])
+        except EOFError:
+            raise RuntimeError(f"the spill file of rank {index % world} ended early") from None
+        if got != index:
+            raise RuntimeError(f"spill file of rank {index % world}: sample {got}, not {index}")
+        yield index, item
+
+
+def _write_lines(path: str | os.PathLike, lines: Iterator[str]) -> None:
+    """Write ``lines`` to ``path`` through a temporary file renamed at the end."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.writelines(lines)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+def _spill_path(work: str, rank: int, as_json: bool) -> str:
+    return os.path.join(work, f"rank{rank}.{'jsonl' if as_json else 'pkl'}")
+
+
+def _agree(error: str | None, group: Any) -> dict[int, str]:
+    """Share every rank's error (``None``: fine); return ``{rank: error}`` of those that failed."""
+    errors = all_gather_object(error, group)
+    return {rank: e for rank, e in enumerate(errors) if e is not None}
+
+
+def _barrier(group: Any) -> None:
+    all_gather_object(None, group)  # fastdist's barrier() takes no group
+
+
+def _cleanup(work: str, rank: int, own: tuple[str, ...]) -> None:
+    """Remove this rank's files (its own filesystem may differ); rank 0 removes ``work``."""
+    for path in own:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    if rank == 0:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _describe(failed: dict[int, str]) -> str:
+    return "; ".join(f"rank {rank}: {error}" for rank, error in sorted(failed.items()))

@@ -1,0 +1,313 @@
+"""Checkpoints and exact resume: a run that dies, is restarted or pre-empted and resumed with
+the same command ends with the parameters of a straight run, bit for bit.
+
+Every run trains tests/workers/resume_worker.py's float64 MLP with dropout (so the random
+generators must be restored), SGD with momentum (optimizer state) and a learning-rate callback
+(callback state), on 72 samples in micro-batches of 4: 9 per rank and epoch on 2 ranks, 2 epochs.
+The straight runs of every configuration are launched once per module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launch import (
+    Launch,
+    Result,
+    free_port,
+    run_python,
+    run_together,
+    run_torchrun,
+    torchrun_command,
+)
+from workers.resume_worker import N_SAMPLES, build_trainer
+
+WORKER = Path(__file__).resolve().parent / "workers" / "resume_worker.py"
+CONFIGS = "plain,accumulate,epoch-lr"  # resume_worker.CONFIGS
+SIZE = 2  # processes of every torchrun launch
+
+pytestmark = pytest.mark.slow
+
+
+def launch(
+    out: Path,
+    configs: str,
+    tag: str,
+    *options: str,
+    nproc: int = SIZE,
+    check: bool = True,
+) -> Result:
+    """Run the worker under torchrun (``nproc`` > 1) or as one plain process."""
+    args = [str(out), configs, "--tag", tag, *options]
+    if nproc == 1:
+        return run_python(WORKER, args, timeout=120, check=check)
+    return run_torchrun(WORKER, nproc, args, timeout=120, check=check)
+
+
+def rank_result(out: Path, config: str, tag: str, rank: int, restart: int = 0) -> dict[str, Any]:
+    """What rank ``rank`` of attempt ``tag`` wrote when ``train()`` returned or exited."""
+    path = out / config / f"{tag}-{restart}.rank{rank}.json"
+    assert path.is_file(), f"{path.name} is missing"
+    return json.loads(path.read_text())
+
+
+def updates(out: Path, config: str, tag: str, rank: int, restart: int = 0) -> list[dict[str, Any]]:
+    """The ``{"epoch", "step", "ids"}`` record of every update rank ``rank`` completed."""
+    path = out / config / f"{tag}-{restart}.rank{rank}.ids.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def manifest_steps(out: Path, config: str) -> list[int]:
+    """Steps of the checkpoints listed in ``config``'s manifest, oldest first."""
+    manifest = json.loads((out / config / "checkpoints" / "manifest.json").read_text())
+    for entry in manifest:
+        assert (out / config / "checkpoints" / entry["file"]).is_file(), entry
+    return [entry["step"] for entry in manifest]
+
+
+def checkpoint_path(out: Path, config: str, step: int) -> Path:
+    return out / config / "checkpoints" / f"step-{step:08d}.pt"
+
+
+def assert_same_params(got: list[float], expected: list[float], what: str) -> None:
+    """Exact equality of two flat parameter lists, with the largest difference on failure."""
+    if got != expected:
+        diff = (torch.tensor(got) - torch.tensor(expected)).abs().max().item()
+        pytest.fail(f"{what}: parameters differ from the straight run (max |diff| {diff:.3g})")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output directory of the straight (uninterrupted) run of every configuration."""
+    out = tmp_path_factory.mktemp("straight")
+    launch(out, CONFIGS, "straight")
+    return out
+
+
+def assert_matches_straight(
+    straight: Path,
+    out: Path,
+    config: str,
+    resumed: str,
+    first: str | None = None,
+    restart: int = 0,
+) -> None:
+    """Attempt ``resumed`` (restart ``restart``) ends with the straight run's parameters on
+    every rank. With ``first`` (the attempt that died, restart 0), the updates it completed up
+    to the resume point followed by the resumed attempt's must first be the straight run's:
+    the same samples with the same loss, update by update."""
+    resume_step = rank_result(out, config, resumed, 0, restart)["start_step"]
+    for rank in range(SIZE):
+        expected = rank_result(straight, config, "straight", rank)
+        got = rank_result(out, config, resumed, rank, restart)
+        assert got["start_step"] == resume_step and got["steps"] == expected["steps"]
+        if first is not None:
+            done = [u for u in updates(out, config, first, rank) if u["step"] <= resume_step]
+            assert [u["step"] for u in done] == list(range(1, resume_step + 1))
+            stream = done + updates(out, config, resumed, rank, restart)
+            reference = updates(straight, config, "straight", rank)
+            assert [u["step"] for u in stream] == [u["step"] for u in reference]
+            for update, ref in zip(stream, reference, strict=True):
+                where = f"rank {rank}, update {update['step']} (resumed after {resume_step})"
+                assert update["ids"] == ref["ids"], f"{where}: other samples"
+                assert update["loss"] == ref["loss"], f"{where}: same samples, another loss"
+        assert_same_params(got["final"], expected["final"], f"rank {rank}")
+
+
+# ----- killed and resumed with the same command -----
+
+
+@pytest.mark.parametrize(
+    "config, kill_at, kill_how, resume_step",
+    [
+        # Rank 1 dies before micro-batch 6 of epoch 1; update 5 was checkpointed.
+        pytest.param("plain", 6, "exit", 5, id="mid-epoch"),
+        # update_every=2: SIGKILL after micro-batch 5, the first of update 3's window; the
+        # resumed run redoes that window from the checkpoint of update 2.
+        pytest.param("accumulate", 6, "sigkill", 2, id="inside-update-window-sigkill"),
+        # Dies before the first micro-batch of epoch 2: resumes from epoch 1's end.
+        pytest.param("plain", 10, "exit", 9, id="epoch-boundary"),
+    ],
+)
+def test_killed_run_resumes_exactly(
+    straight: Path, tmp_path: Path, config: str, kill_at: int, kill_how: str, resume_step: int
+) -> None:
+    kill = ["--kill-at", str(kill_at), "--kill-how", kill_how]
+    first = launch(tmp_path, config, "first", *kill, check=False)
+    assert first.returncode != 0, first.describe()
+    if kill_how == "sigkill":
+        assert "Signal 9 (SIGKILL)" in first.output, first.describe()
+    for rank in range(SIZE):
+        assert not (tmp_path / config / f"first-0.rank{rank}.json").exists(), "did not die"
+    assert manifest_steps(tmp_path, config)[-1] == resume_step
+
+    resumed = launch(tmp_path, config, "resumed")  # the same command, resume="auto"
+    assert f"resumed from {checkpoint_path(tmp_path, config, resume_step)}" in resumed.output
+    assert rank_result(tmp_path, config, "resumed", 0)["start_step"] == resume_step
+    assert_matches_straight(straight, tmp_path, config, "resumed", first="first")
+
+
+def run_torchrun_with_restarts(args: list[str], max_restarts: int, timeout: float) -> Result:
+    """``torchrun --max-restarts=N`` (launch.run_torchrun always passes 0)."""
+    options = [
+        "--nnodes=1",
+        # Not --master-addr/--master-port: the static rendezvous gives the workers the agent's
+        # store, the same one after a restart, where the restarted group can read the dead
+        # workers' addresses and fail to connect (pytorch/pytorch#135712, #167288). c10d
+        # rendezvous with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every restart a new store.
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--max-restarts={max_restarts}",
+    ]
+    command = torchrun_command(WORKER, SIZE, args, options)
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    (result,) = run_together([Launch(command, env)], timeout)
+    return result
+
+
+def test_torchrun_restart_resumes_exactly(straight: Path, tmp_path: Path) -> None:
+    """``torchrun --max-restarts=1``: rank 1 dies in epoch 2 on the first attempt only; the
+    restarted workers resume from update 12 and the job completes on its own."""
+    args = [str(tmp_path), "plain", "--tag", "job", "--kill-at", "13"]
+    result = run_torchrun_with_restarts(args, max_restarts=1, timeout=150)
+    assert result.returncode == 0, result.describe()
+    for rank in range(SIZE):
+        assert not (tmp_path / "plain" / f"job-0.rank{rank}.json").exists(), "did not die"
+    assert f"resumed from {checkpoint_path(tmp_path, 'plain', 12)}" in result.output
+    assert rank_result(tmp_path, "plain", "job", 0, restart=1)["start_step"] == 12
+    assert_matches_straight(straight, tmp_path, "plain", "job", first="job", restart=1)
+
+
+def test_two_ranks_resumed_on_one_process_see_each_sample_once(tmp_path: Path) -> None:
+    """2 ranks stop after update 3 (24 samples of epoch 1); one plain process trains the other
+    48: every sample of epoch 1 is trained on exactly once overall, and all of epoch 2."""
+    first = launch(tmp_path, "plain", "first", "--kill-at", "4", check=False)
+    assert first.returncode != 0, first.describe()
+    resumed = launch(tmp_path, "plain", "resumed", nproc=1)
+    assert "resuming a 2-process run on 1 processes" in resumed.output, resumed.describe()
+    result = rank_result(tmp_path, "plain", "resumed", 0)
+    assert (result["start_step"], result["world_size"]) == (3, 1)
+    assert result["steps"] == result["total_steps"] == 3 + 48 // 4 + N_SAMPLES // 4
+
+    def seen(records: list[dict[str, Any]], epoch: int) -> list[int]:
+        return [i for r in records if r["epoch"] == epoch for i in r["ids"]]
+
+    # Only updates the checkpoint holds count (the resumed run restarts after step 3).
+    before = [
+        u for r in range(SIZE) for u in updates(tmp_path, "plain", "first", r) if u["step"] <= 3
+    ]
+    after = updates(tmp_path, "plain", "resumed", 0)
+    epoch1 = seen(before, 1) + seen(after, 1)
+    assert len(seen(before, 1)) == 24
+    assert Counter(epoch1) == Counter(range(N_SAMPLES)), "epoch 1: some sample not seen once"
+    assert Counter(seen(after, 2)) == Counter(range(N_SAMPLES)), "epoch 2"
+
+
+def test_truncated_newest_checkpoint_falls_back_to_the_previous(
+    straight: Path, tmp_path: Path
+) -> None:
+    """The newest checkpoint (epoch 2's end) is cut short: the run warns, resumes from the one
+    before (update 17), trains the last update and still ends where the straight run did."""
+    shutil.copytree(straight / "plain", tmp_path / "plain")
+    assert manifest_steps(tmp_path, "plain")[-2:] == [17, 18]
+    newest = checkpoint_path(tmp_path, "plain", 18)
+    os.truncate(newest, newest.stat().st_size // 2)
+    result = launch(tmp_path, "plain", "after-truncation")
+    assert re.search(
+        rf"skipping checkpoint {re.escape(str(newest))}: .*sha256 does not match", result.output
+    ), result.describe()
+    assert f"resumed from {checkpoint_path(tmp_path, 'plain', 17)}" in result.output
+    assert_matches_straight(straight, tmp_path, "plain", "after-truncation")
+
+
+# ----- pre-emption -----
+
+
+@pytest.mark.parametrize(
+    "config, sigterm_rank",
+    [
+        pytest.param("plain", "1", id="sigterm-one-rank"),
+        # LRSchedulerCallback(interval="epoch"): its state must not count the pre-empted,
+        # unfinished epoch as ended.
+        pytest.param("epoch-lr", "all", id="sigterm-all-ranks-epoch-scheduler"),
+    ],
+)
+def test_sigterm_preempts_with_a_checkpoint_and_resumes_exactly(
+    straight: Path, tmp_path: Path, config: str, sigterm_rank: str
+) -> None:
+    """SIGTERM after update 3 (print_every=2): the ranks agree at update 4, rank 0 writes a
+    checkpoint there and every rank exits with 143; the same command then completes."""
+    sigterm = ["--sigterm-at", "3", "--sigterm-rank", sigterm_rank, "--checkpoint-every", "0"]
+    first = launch(tmp_path, config, "first", *sigterm, check=False)
+    assert first.returncode != 0, first.describe()
+    assert "pre-empted: checkpoint written at step 4" in first.output, first.describe()
+    assert re.search(r"exitcode\s*:\s*143\b", first.output), first.describe()
+    for rank in range(SIZE):
+        assert rank_result(tmp_path, config, "first", rank) == {"exit_code": 143, "step": 4}
+    assert manifest_steps(tmp_path, config) == [4], "only the pre-emption checkpoint"
+    saved = torch.load(checkpoint_path(tmp_path, config, 4), weights_only=True)
+    assert saved["trainer"]["global_step"] == 4 and saved["world_size"] == SIZE
+    assert not saved["trainer"]["epoch_complete"]
+    if config == "epoch-lr":  # StepLR's state, callbacks_all[0]: epoch 1 has not ended
+        assert saved["callbacks_all"][0]["last_epoch"] == 0, "stepped at the pre-emption"
+
+    resumed = launch(tmp_path, config, "resumed", "--checkpoint-every", "0")
+    assert f"resumed from {checkpoint_path(tmp_path, config, 4)}" in resumed.output
+    assert_matches_straight(straight, tmp_path, config, "resumed", first="first")
+
+
+# ----- a checkpoint must never run code -----
+
+
+class _Payload:
+    """Unpickles as ``os.mkdir(marker)``: proof, if the directory appears, that code ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (str(self.marker),))
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_checkpoint_with_pickled_code_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """resume=<path> raises instead of running the payload; in the checkpoint directory, with a
+    valid manifest entry, it is skipped with a warning and training starts afresh."""
+    marker = tmp_path / "code-ran"
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": 1, "model": _Payload(marker)}, evil)
+
+    trainer = build_trainer("plain", tmp_path / "explicit")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        trainer.train(resume=str(evil))
+    assert not marker.exists()
+
+    save_path = tmp_path / "auto"
+    checkpoints = save_path / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    shutil.copy(evil, checkpoints / "step-00000005.pt")
+    sha256 = hashlib.sha256(evil.read_bytes()).hexdigest()
+    entry = {"file": "step-00000005.pt", "sha256": sha256, "step": 5}
+    (checkpoints / "manifest.json").write_text(json.dumps([entry]))
+    capsys.readouterr()
+    result = build_trainer("plain", save_path).train()  # resume="auto"
+    err = capsys.readouterr().err
+    assert f"skipping checkpoint {checkpoints / 'step-00000005.pt'}: " in err, err
+    assert "resumed from" not in err
+    assert result["steps"] == 2 * N_SAMPLES // 4, "a fresh run on one process"
+    assert not marker.exists()
+
+    torch.load(evil, weights_only=False)  # the payload is live: unsafe loading runs it
+    assert marker.is_dir()

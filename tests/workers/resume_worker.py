@@ -1,0 +1,244 @@
+"""Worker for tests/test_resume.py: train, die or get pre-empted, and resume with one command.
+
+Usage (under torchrun, with or without restarts, or as a plain process)::
+
+    resume_worker.py OUT_DIR CONFIG[,CONFIG...] [--tag TAG] [--checkpoint-every K]
+        [--kill-at M --kill-how exit|sigkill]
+        [--sigterm-at S --sigterm-rank all|R]
+
+Each CONFIG of :data:`CONFIGS` trains a float64 MLP with dropout (SGD with momentum, a
+learning-rate callback) from a fixed seed with ``save_path=OUT_DIR/CONFIG``, so its checkpoints
+go to ``OUT_DIR/CONFIG/checkpoints``. Files are named ``<TAG>-<restart>.rank<R>`` where
+``<restart>`` is torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 without torchrun):
+
+* ``.ids.jsonl``: one line ``{"epoch", "step", "ids", "loss"}`` per completed update (its
+  sample ids and summed micro-batch losses), flushed at once, so it survives the process dying.
+* ``.json``: the result (final parameters, the step training resumed at...) when ``train()``
+  returned, or ``{"exit_code", "step"}`` when it raised ``SystemExit`` (pre-emption).
+
+``--kill-at M`` makes rank 1 die (``os._exit(1)`` or SIGKILL) before its ``M``-th micro-batch
+(counted from 1 in this process) and ``--sigterm-at S`` sends SIGTERM to the chosen ranks after
+update ``S``; both only on the first attempt (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a
+restarted job runs the same command to the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from fastdist import Callback, CrossEntropyLoss, DistTrainer, get_rank
+from fastdist.callbacks import LRSchedulerCallback, WarmupCallback
+
+N_SAMPLES, BATCH, N_EPOCHS = 72, 4, 2  # 2 ranks: 36 samples = 9 micro-batches per epoch
+DIM, HIDDEN, CLASSES = 4, 16, 3
+KILL_RANK = 1
+# name -> (update_every, learning-rate schedule)
+CONFIGS: dict[str, tuple[int, str]] = {
+    "plain": (1, "warmup"),  # 9 updates per epoch on 2 ranks
+    "accumulate": (2, "warmup"),  # windows of 2 micro-batches, a short last one: 5 updates
+    "epoch-lr": (1, "epoch"),  # StepLR stepped at every epoch end
+}
+
+
+class Samples(Dataset):
+    """``n`` dict samples ``{"x", "target", "idx"}`` of a noisy linear teacher, from ``seed``."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, DIM, generator=gen, dtype=torch.float64)
+        teacher = torch.randn(DIM, CLASSES, generator=gen, dtype=torch.float64)
+        noise = torch.randn(n, CLASSES, generator=gen, dtype=torch.float64)
+        self.target = (self.x @ teacher + noise).argmax(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.target)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": self.x[i], "target": self.target[i], "idx": i}
+
+
+class DropNet(nn.Module):
+    """A float64 MLP with dropout, so every resume must restore the random generators."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(DIM, HIDDEN, dtype=torch.float64)
+        self.drop = nn.Dropout(0.5)
+        self.out = nn.Linear(HIDDEN, CLASSES, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.drop(torch.tanh(self.hidden(x))))
+
+
+def flat_params(model: nn.Module) -> list[float]:
+    """All parameters of ``model`` as one flat list of floats."""
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+
+
+def first_attempt() -> bool:
+    """Whether this is not a restart by torchrun (faults are injected on the first only)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+class IdLog(Callback):
+    """Appends the sample ids and summed micro-batch losses of every completed update to
+    ``path`` as a JSON line, flushed immediately."""
+
+    def __init__(self, path: Path) -> None:
+        self.file: IO[str] = open(path, "a")  # noqa: SIM115 - open for the whole run
+        self.ids: list[int] = []
+        self.loss = 0.0
+        self.start_step: int | None = None
+
+    def on_train_begin(self) -> None:
+        self.start_step = self.trainer.state.global_step
+
+    def on_epoch_begin(self) -> None:
+        self.ids, self.loss = [], 0.0
+
+    def on_batch_begin(self, batch: Any) -> None:
+        self.ids += batch["idx"].tolist()
+
+    def on_backward_begin(self, loss: Any) -> None:
+        self.loss += loss.item()
+
+    def on_step_end(self) -> None:
+        state = self.trainer.state
+        record = {"epoch": state.epoch, "step": state.global_step, "ids": self.ids}
+        self.file.write(json.dumps(dict(record, loss=self.loss)) + "\n")
+        self.file.flush()
+        self.ids, self.loss = [], 0.0
+
+
+class Faults(Callback):
+    """Kills rank 1 before micro-batch ``kill_at``; sends SIGTERM after update ``sigterm_at``."""
+
+    def __init__(
+        self,
+        kill_at: int | None = None,
+        kill_how: str = "exit",
+        sigterm_at: int | None = None,
+        sigterm_rank: str = "all",
+    ) -> None:
+        self.kill_at = kill_at
+        self.kill_how = kill_how
+        self.sigterm_at = sigterm_at
+        self.sigterm_rank = sigterm_rank
+        self.micro_batches = 0
+
+    def on_batch_begin(self, batch: Any) -> None:
+        self.micro_batches += 1
+        if self.micro_batches != self.kill_at or get_rank() != KILL_RANK:
+            return
+        if self.kill_how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(1)
+
+    def on_step_end(self) -> None:
+        if self.trainer.state.global_step != self.sigterm_at:
+            return
+        if self.sigterm_rank in ("all", str(get_rank())):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def build_trainer(
+    config: str,
+    save_path: Path,
+    checkpoint_every: int = 1,
+    callbacks: list[Callback] | None = None,
+) -> DistTrainer:
+    """The trainer of ``config``, built from fixed seeds (the same in every attempt)."""
+    update_every, schedule = CONFIGS[config]
+    torch.manual_seed(1234)  # the model's init and the first dropout masks
+    model = DropNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    if schedule == "warmup":
+        lr_callback: Callback = WarmupCallback(warmup=0.3, schedule="linear")
+    else:
+        step_lr = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        lr_callback = LRSchedulerCallback(step_lr, interval="epoch")
+    return DistTrainer(
+        Samples(N_SAMPLES),
+        model,
+        optimizer,
+        loss=CrossEntropyLoss(),
+        callbacks_all=[lr_callback, *(callbacks or [])],
+        batch_size_per_gpu=BATCH,
+        n_epochs=N_EPOCHS,
+        update_every=update_every,
+        print_every=2,
+        save_path=str(save_path),
+        use_tqdm=False,
+        device="cpu",
+        checkpoint_every=checkpoint_every,
+        keep_checkpoints=3,
+    )
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def run(config: str, args: argparse.Namespace) -> None:
+    """Train ``config`` once, recording ids and the result (or the pre-emption exit code)."""
+    directory = Path(args.out) / config
+    directory.mkdir(parents=True, exist_ok=True)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"{args.tag}-{restart}.rank{get_rank()}"
+    ids = IdLog(directory / f"{prefix}.ids.jsonl")
+    faults = Faults()
+    if first_attempt():
+        faults = Faults(args.kill_at, args.kill_how, args.sigterm_at, args.sigterm_rank)
+    # The same callbacks in every attempt: a checkpoint holds one state per callback.
+    trainer = build_trainer(config, directory, args.checkpoint_every, [ids, faults])
+    try:
+        result = trainer.train()  # resume="auto": the same command resumes
+    except SystemExit as exc:
+        record = {"exit_code": exc.code, "step": trainer.state.global_step}
+        write_json(directory / f"{prefix}.json", record)
+        raise
+    finally:
+        ids.file.close()
+    write_json(
+        directory / f"{prefix}.json",
+        {
+            "final": flat_params(trainer.model),
+            "start_step": ids.start_step,
+            "steps": result["steps"],
+            "total_steps": trainer.state.total_steps,
+            "world_size": trainer.world_size,
+        },
+    )
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("configs", help=f"comma-separated, of: {', '.join(CONFIGS)}")
+    parser.add_argument("--tag", default="run")
+    parser.add_argument("--checkpoint-every", type=int, default=1)
+    parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--kill-how", choices=("exit", "sigkill"), default="exit")
+    parser.add_argument("--sigterm-at", type=int, default=None)
+    parser.add_argument("--sigterm-rank", default="all")
+    args = parser.parse_args(argv[1:])
+    for config in args.configs.split(","):
+        run(config, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
