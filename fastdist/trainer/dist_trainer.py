@@ -64,7 +64,9 @@ class DistTrainer:
         model: the ``nn.Module``; wrapped in ``DistributedDataParallel`` when world size > 1.
         optimizer: built from ``model.parameters()``; default ``Adam(lr=4e-3)``.
         loss: a fastdist loss, a torch loss module, ``callable(output, batch)`` or ``None`` (the
-            model returns ``{"loss": ...}``). It must return the mean loss of the micro-batch.
+            model returns ``{"loss": ...}``). It returns the mean loss of the micro-batch, or a
+            ``(sum, count)`` pair (e.g. summed token losses and the token count): then every
+            update is normalised by its count over all ranks and micro-batches.
         callbacks_all: callbacks run on every rank (learning rate, clipping, early stop).
         callbacks_master: callbacks run on rank 0 only (logging, saving); no collectives.
         batch_size_per_gpu: micro-batch size of each process; the global batch of one update
@@ -299,10 +301,12 @@ class DistTrainer:
         self.state = TrainerState(n_epochs=n_epochs)
         self.weights: list[float] = []  # loss weight of each micro-batch of this epoch's pass
         self._resume_rng: dict[str, Any] | None = None
+        # Loss sums and counts (micro-batches, or what a (sum, count) loss counts), on device.
         self._loss_sum = torch.zeros((), device=self.device)  # since the last log line
-        self._loss_count = 0
+        self._loss_count = torch.zeros((), device=self.device)
         self._window_loss = torch.zeros((), device=self.device)  # of the current update
-        self._window_count = 0
+        self._window_count = torch.zeros((), device=self.device)
+        self._counted_loss = False  # the loss returns (sum, count)
         self._bar: tqdm | None = None
         self._sigterm = False  # set by the SIGTERM handler during train()
         self.preempted = False  # a SIGTERM agreed by all ranks
@@ -417,7 +421,9 @@ class DistTrainer:
                         callbacks.on_loss_begin(batch, output)
                         loss = self._compute_loss(output, batch)
                     callbacks.on_backward_begin(loss)
-                    self.precision.backward(loss * self.weights[batch_idx])
+                    self.precision.backward(loss * self._loss_weight(batch_idx))
+                if state.is_update:
+                    self._normalize_by_count()  # (sum, count) losses: by the global count
                 callbacks.on_backward_end()
                 if state.is_update and self._optimizer_step():
                     if state.global_step % cfg.print_every == 0:
@@ -502,16 +508,39 @@ class DistTrainer:
         return contextlib.nullcontext()
 
     def _compute_loss(self, output: Any, batch: Any) -> torch.Tensor:
-        loss = self.loss_fn(output, batch)
+        """The micro-batch loss: a mean, or the sum of a ``(sum, count)`` pair."""
+        loss, count = self.loss_fn(output, batch), 1
+        self._counted_loss = isinstance(loss, tuple)
+        if self._counted_loss:
+            loss, count = loss
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(
-                f"loss must return a scalar tensor (the mean over the micro-batch), got {shape}: "
-                "reduce it inside the loss, e.g. with .mean()"
+                f"loss must return a scalar tensor (the mean over the micro-batch) or a (sum, "
+                f"count) pair, got {shape}: reduce it inside the loss, e.g. with .mean()"
             )
         self._window_loss += loss.detach()
-        self._window_count += 1
+        self._window_count += count
         return loss
+
+    def _loss_weight(self, batch_idx: int) -> float:
+        """A mean loss weighs by its micro-batch's share of the update; a sum waits (below)."""
+        return 1.0 if self._counted_loss else self.weights[batch_idx]
+
+    def _normalize_by_count(self) -> None:
+        """Divide the summed gradients of a ``(sum, count)`` loss by the update's global count.
+
+        One all-reduce of the count per update, only for such losses: the gradient then equals
+        the one-process gradient of the update's total loss over its total count, whatever the
+        sizes of the ranks' batches (DDP's mean over ranks is undone by ``world_size``).
+        """
+        if not self._counted_loss:
+            return
+        total = all_reduce_sum(self._window_count.detach().double().clone(), self.group)
+        factor = self.world_size / total.clamp(min=1)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor.to(p.grad.dtype))
 
     def _optimizer_step(self) -> bool:
         """Step unless the gradients are non-finite (``on_nonfinite="skip"``); say if it did."""
@@ -547,7 +576,7 @@ class DistTrainer:
                 check_in_sync(self.model, state.global_step, self.group)
         self.optimizer.zero_grad(set_to_none=True)
         self._window_loss.zero_()
-        self._window_count = 0
+        self._window_count.zero_()
         return finite
 
     def request_stop(self) -> None:
@@ -562,15 +591,15 @@ class DistTrainer:
         """
         state = self.state
         self.board.publish(step=state.global_step, phase="sync")
-        flags = [0.0, self._loss_count, float(state.stop_requested), float(self._sigterm)]
+        flags = [0.0, 0.0, float(state.stop_requested), float(self._sigterm)]
         stats = torch.tensor(flags, dtype=torch.float64, device=self.device)
-        stats[0] = self._loss_sum
+        stats[0], stats[1] = self._loss_sum, self._loss_count
         loss_sum, count, stop, sigterm = all_reduce_sum(stats, self.group).tolist()
         self.board.move(phase="train")
         if log_loss and count:
             state.loss = loss_sum / count
             self._loss_sum.zero_()
-            self._loss_count = 0
+            self._loss_count.zero_()
             if self._bar is not None and not self._bar.disable:
                 self._bar.set_postfix(epoch=state.epoch, loss=f"{state.loss:.4f}")
             else:
