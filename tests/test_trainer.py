@@ -280,10 +280,14 @@ def test_fitlog_on_rank_zero_only(world: World) -> None:
     assert {"state": "finish"} in [r["meta"] for r in _fitlog_records(log_dir / "meta.log")]
     hypers = {k: v for r in _fitlog_records(log_dir / "hyper.log") for k, v in r["hyper"].items()}
     assert hypers["world_size"] == world.size and hypers["lr"] == 0.1
+    assert hypers["batch_size_per_gpu"] == BATCH and hypers["n_epochs"] == 2  # the config
     evals = world.ranks[0]["fitlog"]["evals"]
     metrics = [r["metric"] for r in _fitlog_records(log_dir / "metric.log")]
     assert metrics == [{"dev_acc": e["acc"]} for e in evals]
-    assert (log_dir / "best_metric.log").exists()
+    best = [r["metric"] for r in _fitlog_records(log_dir / "best_metric.log")]
+    test_acc = world.ranks[0]["fitlog"]["test"]["acc"]
+    assert best[-1] == {"test_acc": test_acc}  # log_test after training
+    assert {"dev_acc": max(e["acc"] for e in evals)} in best
 
 
 def test_fitlog_logs_the_reduced_loss_of_each_print_step(world: World) -> None:

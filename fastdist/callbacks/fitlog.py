@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -18,7 +19,9 @@ class FitlogCallback(Callback):
     Args:
         log_dir: fitlog's log directory (created if missing).
 
-    The training loss is logged every ``print_every`` updates, when the trainer reduces it.
+    The training loss is logged every ``print_every`` updates, when the trainer reduces it;
+    the hyper-parameters are the trainer's scalar options plus the world size and the rate.
+    :meth:`log_test` records a test result after training.
 
     Example:
         >>> DistTrainer(..., callbacks_master=[FitlogCallback(log_dir="logs")])
@@ -35,13 +38,12 @@ class FitlogCallback(Callback):
         os.makedirs(self.log_dir, exist_ok=True)
         fitlog.set_log_dir(self.log_dir, new_log=True)
         trainer = self.trainer
-        hypers = {
-            "world_size": trainer.world_size,
-            "batch_size_per_gpu": trainer.config.batch_size_per_gpu,
-            "update_every": trainer.config.update_every,
-            "n_epochs": trainer.config.n_epochs,
-            "lr": trainer.optimizer.param_groups[0]["lr"],
-        }
+        hypers = {"world_size": trainer.world_size, "lr": trainer.optimizer.param_groups[0]["lr"]}
+        hypers.update(
+            (name, value)
+            for name, value in dataclasses.asdict(trainer.config).items()
+            if isinstance(value, (int, float, str)) and not isinstance(value, bool)
+        )
         for name, value in hypers.items():
             fitlog.add_hyper(value, name=name)
 
@@ -58,6 +60,16 @@ class FitlogCallback(Callback):
         if is_better:
             for key, value in eval_result.items():
                 self.fitlog.add_best_metric(value, name=f"dev_{key}")
+
+    def log_test(self, result: dict[str, float]) -> None:
+        """Record a test-set result, e.g. ``trainer.evaluate(test_data)`` after training.
+
+        Call it on every rank (evaluate on every rank, as evaluation is a collective); only
+        rank 0, where the callback ran, writes.
+        """
+        if self.fitlog is not None and self.trainer.is_master:
+            for key, value in result.items():
+                self.fitlog.add_best_metric(value, name=f"test_{key}")
 
     def on_train_end(self) -> None:
         self.fitlog.finish()

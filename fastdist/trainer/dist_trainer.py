@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, Sampler
-from tqdm import tqdm
 
 from fastdist.callbacks.callback import Callback, CallbackList
 from fastdist.callbacks.json_log import JSONLogCallback
@@ -46,6 +45,7 @@ from fastdist.trainer.evaluator import Evaluator
 from fastdist.trainer.failure import install_excepthook, report_failure
 from fastdist.trainer.precision import Precision
 from fastdist.trainer.predict import predict as run_predict
+from fastdist.trainer.progress import Progress
 from fastdist.trainer.safety import (
     check_even_shards,
     check_in_sync,
@@ -307,7 +307,7 @@ class DistTrainer:
         self._window_loss = torch.zeros((), device=self.device)  # of the current update
         self._window_count = torch.zeros((), device=self.device)
         self._counted_loss = False  # the loss returns (sum, count)
-        self._bar: tqdm | None = None
+        self.progress = Progress(show=False, use_tqdm=False, total=0, initial=0, global_batch=0)
         self._sigterm = False  # set by the SIGTERM handler during train()
         self.preempted = False  # a SIGTERM agreed by all ranks
 
@@ -360,14 +360,14 @@ class DistTrainer:
             cfg.update_every,
             self.state.total_steps,
         )
-        if self.is_master and cfg.use_tqdm:
-            # disable=None turns the bar off when stderr is not a terminal.
-            self._bar = tqdm(
-                total=self.state.total_steps,
-                initial=self.state.global_step,
-                disable=None,
-                dynamic_ncols=True,
-            )
+        global_batch = cfg.batch_size_per_gpu * self.world_size * cfg.update_every
+        self.progress = Progress(
+            self.is_master,
+            cfg.use_tqdm,
+            self.state.total_steps,
+            self.state.global_step,
+            global_batch,
+        )
         try:
             with self._sigterm_handler():
                 self._loop()
@@ -388,8 +388,7 @@ class DistTrainer:
             self.callbacks.on_exception(exc)
             raise
         finally:
-            if self._bar is not None:
-                self._bar.close()
+            self.progress.close()
         result = {
             "best_eval": self.state.best_eval,
             "best_epoch": self.state.best_epoch,
@@ -570,8 +569,7 @@ class DistTrainer:
             state.samples_in_epoch = self._epoch_start + (state.batch_idx + 1) * (
                 cfg.batch_size_per_gpu * self.world_size
             )
-            if self._bar is not None:
-                self._bar.update()
+            self.progress.update()
             if cfg.check_sync_every and state.global_step % cfg.check_sync_every == 0:
                 check_in_sync(self.model, state.global_step, self.group)
         self.optimizer.zero_grad(set_to_none=True)
@@ -600,16 +598,9 @@ class DistTrainer:
             state.loss = loss_sum / count
             self._loss_sum.zero_()
             self._loss_count.zero_()
-            if self._bar is not None and not self._bar.disable:
-                self._bar.set_postfix(epoch=state.epoch, loss=f"{state.loss:.4f}")
-            else:
-                logger.info(
-                    "epoch %d step %d/%d loss %.4f",
-                    state.epoch,
-                    state.global_step,
-                    state.total_steps,
-                    state.loss,
-                )
+            if self.is_master:
+                lr = self.optimizer.param_groups[0]["lr"]
+                self.progress.log(state.epoch, state.global_step, state.total_steps, state.loss, lr)
         state.stop_requested = stop > 0
         self.preempted = sigterm > 0
         if state.stop_requested or self.preempted:

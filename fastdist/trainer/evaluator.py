@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
+from tqdm import tqdm
 
 from fastdist.distributed import all_reduce_sum, get_rank, get_world_size
 from fastdist.metrics import Metric
@@ -70,7 +72,9 @@ class Evaluator:
         for metric in self.metrics:
             metric.reset()
         try:
-            for batch in loader:
+            # A short bar of its own on rank 0, on a terminal only.
+            show = get_rank() == 0 and sys.stderr.isatty()
+            for batch in tqdm(loader, desc="evaluate", leave=False, disable=not show):
                 batch = to_device(batch, self.device)
                 output = self.forward(self.model, batch)
                 for metric in self.metrics:

@@ -454,7 +454,8 @@ def case_fitlog(out: Path) -> dict[str, Any]:
         if trainer.state.is_update:
             losses.append((trainer.state.global_step, trainer.state.loss))
 
-    make_trainer(
+    fitlog = FitlogCallback(log_dir=str(out / f"fitlog-rank{get_rank()}"))
+    trainer = make_trainer(
         32,
         n_epochs=2,
         print_every=1,
@@ -464,9 +465,12 @@ def case_fitlog(out: Path) -> dict[str, Any]:
             on("on_batch_end", record_loss),
             on("on_valid_end", lambda trainer, result, *rest: evals.append(result)),
         ],
-        callbacks_master=[FitlogCallback(log_dir=str(out / f"fitlog-rank{get_rank()}"))],
-    ).train()
-    return {"losses": losses, "evals": evals}
+        callbacks_master=[fitlog],
+    )
+    trainer.train()
+    test_result = trainer.evaluate(ToyData(12, seed=2))  # on every rank: a collective
+    fitlog.log_test(test_result)  # only rank 0, where the callback ran, writes
+    return {"losses": losses, "evals": evals, "test": test_result}
 
 
 CASES: dict[str, Callable[[Path], dict[str, Any]]] = {

@@ -1,0 +1,55 @@
+"""What rank 0 shows while training: a tqdm bar on a terminal, plain log lines elsewhere."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from tqdm import tqdm
+
+from fastdist.logging import logger
+
+
+class Progress:
+    """A bar of optimizer updates (epoch, loss, learning rate, samples/s, ETA) on rank 0.
+
+    When stderr is not a terminal (CI, ``nohup``, cluster logs) or ``use_tqdm`` is off, every
+    log step is one plain line instead of carriage-return noise. Other ranks show nothing.
+    """
+
+    def __init__(self, show: bool, use_tqdm: bool, total: int, initial: int, global_batch: int):
+        self.global_batch = global_batch
+        self.bar: tqdm | None = None
+        if show and use_tqdm and sys.stderr.isatty():
+            self.bar = tqdm(total=total, initial=initial, unit="update", dynamic_ncols=True)
+        self._time, self._step = time.monotonic(), initial
+
+    def update(self) -> None:
+        """One optimizer update done."""
+        if self.bar is not None:
+            self.bar.update()
+
+    def log(self, epoch: int, step: int, total: int, loss: float, lr: float) -> None:
+        """Show the mean loss since the previous log step, the rate and the throughput."""
+        now = time.monotonic()
+        seconds, steps = now - self._time, step - self._step
+        samples_per_s = self.global_batch * steps / seconds if seconds > 0 else 0.0
+        self._time, self._step = now, step
+        if self.bar is not None:
+            self.bar.set_postfix(
+                epoch=epoch, loss=f"{loss:.4f}", lr=f"{lr:.3g}", samples_s=f"{samples_per_s:.0f}"
+            )
+        else:
+            logger.info(
+                "epoch %d step %d/%d loss %.4f lr %.3g %.0f samples/s",
+                epoch,
+                step,
+                total,
+                loss,
+                lr,
+                samples_per_s,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
