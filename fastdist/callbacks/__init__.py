@@ -6,6 +6,7 @@ from fastdist.callbacks.fitlog import FitlogCallback
 from fastdist.callbacks.gradient_clip import GradientClipCallback
 from fastdist.callbacks.json_log import JSONLogCallback
 from fastdist.callbacks.lr_scheduler import LRSchedulerCallback
+from fastdist.callbacks.tensorboard import TensorBoardCallback
 from fastdist.callbacks.warmup import WarmupCallback
 
 __all__ = [
@@ -16,5 +17,6 @@ __all__ = [
     "GradientClipCallback",
     "JSONLogCallback",
     "LRSchedulerCallback",
+    "TensorBoardCallback",
     "WarmupCallback",
 ]
