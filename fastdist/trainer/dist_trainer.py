@@ -6,8 +6,6 @@ import contextlib
 import datetime
 import itertools
 import os
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -43,8 +41,10 @@ from fastdist.trainer.config import TrainerConfig
 from fastdist.trainer.ddp import DDPWrapper
 from fastdist.trainer.evaluator import Evaluator
 from fastdist.trainer.failure import install_excepthook, report_failure
+from fastdist.trainer.loss_tracker import LossTracker
 from fastdist.trainer.precision import Precision
 from fastdist.trainer.predict import predict as run_predict
+from fastdist.trainer.preemption import SigtermFlag
 from fastdist.trainer.progress import Progress
 from fastdist.trainer.safety import (
     check_even_shards,
@@ -301,14 +301,9 @@ class DistTrainer:
         self.state = TrainerState(n_epochs=n_epochs)
         self.weights: list[float] = []  # loss weight of each micro-batch of this epoch's pass
         self._resume_rng: dict[str, Any] | None = None
-        # Loss sums and counts (micro-batches, or what a (sum, count) loss counts), on device.
-        self._loss_sum = torch.zeros((), device=self.device)  # since the last log line
-        self._loss_count = torch.zeros((), device=self.device)
-        self._window_loss = torch.zeros((), device=self.device)  # of the current update
-        self._window_count = torch.zeros((), device=self.device)
-        self._counted_loss = False  # the loss returns (sum, count)
+        self.losses = LossTracker(self.device)
         self.progress = Progress(show=False, use_tqdm=False, total=0, initial=0, global_batch=0)
-        self._sigterm = False  # set by the SIGTERM handler during train()
+        self.sigterm = SigtermFlag()  # watched during train(); agreed at sync points
         self.preempted = False  # a SIGTERM agreed by all ranks
 
     @property
@@ -369,7 +364,7 @@ class DistTrainer:
             global_batch,
         )
         try:
-            with self._sigterm_handler():
+            with self.sigterm.watching():
                 self._loop()
             if self.preempted:
                 self.checkpointer.save(self)
@@ -418,11 +413,11 @@ class DistTrainer:
                     with self.precision.autocast():
                         output = self.forward(self.ddp_model, batch)
                         callbacks.on_loss_begin(batch, output)
-                        loss = self._compute_loss(output, batch)
+                        loss = self.losses.add(self.loss_fn(output, batch))
                     callbacks.on_backward_begin(loss)
-                    self.precision.backward(loss * self._loss_weight(batch_idx))
-                if state.is_update:
-                    self._normalize_by_count()  # (sum, count) losses: by the global count
+                    self.precision.backward(loss * self.losses.weight(self.weights[batch_idx]))
+                if state.is_update:  # (sum, count) losses: divide by the update's global count
+                    self.losses.normalize(self.model, self.world_size, self.group)
                 callbacks.on_backward_end()
                 if state.is_update and self._optimizer_step():
                     if state.global_step % cfg.print_every == 0:
@@ -506,76 +501,41 @@ class DistTrainer:
             return self.ddp_model.no_sync()
         return contextlib.nullcontext()
 
-    def _compute_loss(self, output: Any, batch: Any) -> torch.Tensor:
-        """The micro-batch loss: a mean, or the sum of a ``(sum, count)`` pair."""
-        loss, count = self.loss_fn(output, batch), 1
-        self._counted_loss = isinstance(loss, tuple)
-        if self._counted_loss:
-            loss, count = loss
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(
-                f"loss must return a scalar tensor (the mean over the micro-batch) or a (sum, "
-                f"count) pair, got {shape}: reduce it inside the loss, e.g. with .mean()"
-            )
-        self._window_loss += loss.detach()
-        self._window_count += count
-        return loss
-
-    def _loss_weight(self, batch_idx: int) -> float:
-        """A mean loss weighs by its micro-batch's share of the update; a sum waits (below)."""
-        return 1.0 if self._counted_loss else self.weights[batch_idx]
-
-    def _normalize_by_count(self) -> None:
-        """Divide the summed gradients of a ``(sum, count)`` loss by the update's global count.
-
-        One all-reduce of the count per update, only for such losses: the gradient then equals
-        the one-process gradient of the update's total loss over its total count, whatever the
-        sizes of the ranks' batches (DDP's mean over ranks is undone by ``world_size``).
-        """
-        if not self._counted_loss:
-            return
-        total = all_reduce_sum(self._window_count.detach().double().clone(), self.group)
-        factor = self.world_size / total.clamp(min=1)
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(factor.to(p.grad.dtype))
-
     def _optimizer_step(self) -> bool:
-        """Step unless the gradients are non-finite (``on_nonfinite="skip"``); say if it did."""
+        """Step, unless the gradients are non-finite or fp16 overflowed; say whether it did."""
         state, cfg = self.state, self.config
         # With fp16 the gradient scaler handles overflow itself, skipping such steps.
-        finite = self.precision.scaler is not None or gradients_finite(self.model)
-        if finite:
-            finite = self.precision.step(self.optimizer)
-            if not finite:
-                state.skipped_steps += 1
+        if self.precision.scaler is None and not gradients_finite(self.model):
+            self._nonfinite_update()
+            applied = False
         else:
-            culprits = nonfinite_ranks(self._window_loss, self.group)
-            message = (
-                f"non-finite loss or gradient at epoch {state.epoch} update "
-                f"{state.global_step + 1}; ranks with a non-finite loss: {culprits}"
-            )
-            if cfg.on_nonfinite == "raise":
-                raise FloatingPointError(message + " (on_nonfinite='skip' skips such updates)")
-            logger.warning("%s: skipping this update on every rank", message)
-            state.skipped_steps += 1
-        if finite:
-            self._loss_sum += self._window_loss
-            self._loss_count += self._window_count
-            state.global_step += 1
-            if self.ddp is not None:
-                self.ddp.after_step(self.model, state.global_step)  # local SGD's averaging
-            state.samples_in_epoch = self._epoch_start + (state.batch_idx + 1) * (
-                cfg.batch_size_per_gpu * self.world_size
-            )
-            self.progress.update()
-            if cfg.check_sync_every and state.global_step % cfg.check_sync_every == 0:
-                check_in_sync(self.model, state.global_step, self.group)
+            applied = self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        self._window_loss.zero_()
-        self._window_count.zero_()
-        return finite
+        self.losses.end_window(applied)
+        if not applied:
+            state.skipped_steps += 1
+            return False
+        state.global_step += 1
+        global_batch = cfg.batch_size_per_gpu * self.world_size
+        state.samples_in_epoch = self._epoch_start + (state.batch_idx + 1) * global_batch
+        if self.ddp is not None:
+            self.ddp.after_step(self.model, state.global_step)  # local SGD's averaging
+        self.progress.update()
+        if cfg.check_sync_every and state.global_step % cfg.check_sync_every == 0:
+            check_in_sync(self.model, state.global_step, self.group)
+        return True
+
+    def _nonfinite_update(self) -> None:
+        """Raise (``on_nonfinite="raise"``) or warn of a skip, naming the culprit ranks."""
+        state = self.state
+        culprits = nonfinite_ranks(self.losses.window_loss, self.group)
+        message = (
+            f"non-finite loss or gradient at epoch {state.epoch} update "
+            f"{state.global_step + 1}; ranks with a non-finite loss: {culprits}"
+        )
+        if self.config.on_nonfinite == "raise":
+            raise FloatingPointError(message + " (on_nonfinite='skip' skips such updates)")
+        logger.warning("%s: skipping this update on every rank", message)
 
     def request_stop(self) -> None:
         """Ask every rank to stop; agreed at the next log step, evaluation or epoch end."""
@@ -589,15 +549,14 @@ class DistTrainer:
         """
         state = self.state
         self.board.publish(step=state.global_step, phase="sync")
-        flags = [0.0, 0.0, float(state.stop_requested), float(self._sigterm)]
+        flags = [0.0, 0.0, float(state.stop_requested), float(self.sigterm.received)]
         stats = torch.tensor(flags, dtype=torch.float64, device=self.device)
-        stats[0], stats[1] = self._loss_sum, self._loss_count
+        stats[0], stats[1] = self.losses.log_loss, self.losses.log_count
         loss_sum, count, stop, sigterm = all_reduce_sum(stats, self.group).tolist()
         self.board.move(phase="train")
         if log_loss and count:
             state.loss = loss_sum / count
-            self._loss_sum.zero_()
-            self._loss_count.zero_()
+            self.losses.reset_log()
             if self.is_master:
                 lr = self.optimizer.param_groups[0]["lr"]
                 self.progress.log(state.epoch, state.global_step, state.total_steps, state.loss, lr)
@@ -607,22 +566,6 @@ class DistTrainer:
             why = "SIGTERM received" if self.preempted else "stop requested"
             logger.info("%s; stopping at step %d", why, state.global_step)
         return state.stop_requested or self.preempted
-
-    @contextlib.contextmanager
-    def _sigterm_handler(self) -> Iterator[None]:
-        """Note a SIGTERM instead of dying: the ranks agree on it at the next sync point."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def note(signum: int, frame: Any) -> None:
-            self._sigterm = True
-
-        previous = signal.signal(signal.SIGTERM, note)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGTERM, previous)
 
     def evaluate(self, data: Dataset | None = None) -> dict[str, float]:
         """Evaluate ``data`` (default ``dev_data``) with ``metrics``; same dict on every rank."""
