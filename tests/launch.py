@@ -9,6 +9,7 @@ and an ``AssertionError`` carries all the output captured so far.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -20,28 +21,13 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from fastdist.distributed.env import TORCHRUN_VARS  # a launch starts without them
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 
-# Variables torchrun sets for its workers; a launch starts from an environment without them.
-TORCHRUN_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "ROLE_NAME",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_USE_AGENT_STORE",
-)
 # Marks every process of one launch (children inherit it) so a timeout can find them all.
 _TOKEN_VAR = "FASTDIST_TEST_LAUNCH"
 
@@ -118,6 +104,31 @@ def run_python(
     """Run ``python script args`` as one plain process, with no torchrun variables set."""
     (result,) = run_together([Launch([sys.executable, str(script), *args], env, cwd)], timeout)
     return _checked(result, check)
+
+
+def run_ranks(
+    script: str | Path,
+    size: int,
+    args: Sequence[str],
+    out: Path,
+    torchrun: bool,
+    cwd: str | Path | None = None,
+    timeout: float = 120,
+) -> tuple[Result, list[dict[str, Any]]]:
+    """Run a worker that writes ``out/rank<R>.json`` per rank; return the launch and those.
+
+    ``torchrun=False`` runs one plain process (``size`` must be 1).
+    """
+    if torchrun:
+        result = run_torchrun(script, size, args, timeout=timeout, cwd=cwd)
+    else:
+        result = run_python(script, args, timeout=timeout, cwd=cwd)
+    ranks = []
+    for rank in range(size):
+        path = out / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no results\n{result.describe()}"
+        ranks.append(json.loads(path.read_text()))
+    return result, ranks
 
 
 def _checked(result: Result, check: bool) -> Result:

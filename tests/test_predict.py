@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from launch import Result, run_python, run_torchrun
+from launch import Result, run_ranks, run_torchrun
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -197,15 +197,7 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], World]:
             torchrun, size = WORLDS[name]
             out, shared = tmp_path_factory.mktemp(name), tmp_path_factory.mktemp(f"{name}-shared")
             args = [CASES, str(out), str(shared)]
-            if torchrun:
-                result = run_torchrun(WORKER, size, args, timeout=120, cwd=out)
-            else:
-                result = run_python(WORKER, args, timeout=120, cwd=out)
-            ranks = []
-            for rank in range(size):
-                path = out / f"rank{rank}.json"
-                assert path.exists(), f"rank {rank} wrote no results\n{result.describe()}"
-                ranks.append(json.loads(path.read_text()))
+            result, ranks = run_ranks(WORKER, size, args, out, torchrun, cwd=out)
             worlds[name] = World(name, size, out, shared, result, ranks)
         return worlds[name]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from launch import Result, run_python, run_torchrun
+from launch import Result, run_ranks
 
 WORKER = Path(__file__).resolve().parent / "workers" / "trainer_worker.py"
 CASES = "equivalence,comm,coverage,evaluate,hooks,stop,best,fitlog"
@@ -53,15 +53,7 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], World]:
             torchrun, size = WORLDS[name]
             out, cwd = tmp_path_factory.mktemp(name), tmp_path_factory.mktemp(f"{name}-cwd")
             args = [CASES, str(out)]
-            if torchrun:
-                result = run_torchrun(WORKER, size, args, timeout=180, cwd=cwd)
-            else:
-                result = run_python(WORKER, args, timeout=180, cwd=cwd)
-            ranks = []
-            for rank in range(size):
-                path = out / f"rank{rank}.json"
-                assert path.exists(), f"rank {rank} wrote no results\n{result.describe()}"
-                ranks.append(json.loads(path.read_text()))
+            result, ranks = run_ranks(WORKER, size, args, out, torchrun, cwd=cwd, timeout=180)
             worlds[name] = World(name, size, out, cwd, result, ranks)
         return worlds[name]
 

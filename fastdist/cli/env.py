@@ -21,26 +21,8 @@ import socket
 import sys
 from typing import Any
 
-# Every variable torchrun sets for its workers.
-TORCHRUN_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "ROLE_NAME",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_USE_AGENT_STORE",
-)
-# The ones a process group is formed from (env://), as fastdist requires them.
-REQUIRED_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+from fastdist.distributed.env import REQUIRED_VARS, TORCHRUN_VARS
+
 # Other variables that change how devices and backends behave.
 OTHER_VARS = (
     "CUDA_VISIBLE_DEVICES",

@@ -17,7 +17,26 @@ import torch.distributed as dist
 
 from fastdist.distributed.slurm import apply_slurm_env
 
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Every variable torchrun sets for its workers.
+TORCHRUN_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+# The ones a process group is formed from (env://).
+REQUIRED_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 # Under ``srun python train.py`` (no torchrun) SLURM's variables say the ranks.
 apply_slurm_env()
@@ -101,7 +120,7 @@ def init_distributed(
     """
     if dist.is_initialized():
         return True
-    if init_method is None and not all(v in os.environ for v in _TORCHRUN_VARS):
+    if init_method is None and not all(v in os.environ for v in REQUIRED_VARS):
         if (world_size or 1) > 1:
             raise ValueError(
                 f"init_distributed(world_size={world_size}) needs init_method= "
@@ -145,7 +164,7 @@ def ensure_group() -> bool:
     if dist.is_initialized():
         return True
     if get_world_size() > 1:
-        missing = [name for name in _TORCHRUN_VARS if name not in os.environ]
+        missing = [name for name in REQUIRED_VARS if name not in os.environ]
         if missing:
             raise RuntimeError(
                 f"WORLD_SIZE={get_world_size()} but {', '.join(missing)} is not set: launch with "

@@ -34,13 +34,13 @@ from typing import IO, Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from workers.trainer_worker import CLASSES, DIM, ToyData
 
 from fastdist import Callback, CrossEntropyLoss, DistTrainer, get_rank
 from fastdist.callbacks import LRSchedulerCallback, WarmupCallback
 
 N_SAMPLES, BATCH, N_EPOCHS = 72, 4, 2  # 2 ranks: 36 samples = 9 micro-batches per epoch
-DIM, HIDDEN, CLASSES = 4, 16, 3
+HIDDEN = 16
 KILL_RANK = 1
 # name -> (update_every, learning-rate schedule)
 CONFIGS: dict[str, tuple[int, str]] = {
@@ -48,23 +48,6 @@ CONFIGS: dict[str, tuple[int, str]] = {
     "accumulate": (2, "warmup"),  # windows of 2 micro-batches, a short last one: 5 updates
     "epoch-lr": (1, "epoch"),  # StepLR stepped at every epoch end
 }
-
-
-class Samples(Dataset):
-    """``n`` dict samples ``{"x", "target", "idx"}`` of a noisy linear teacher, from ``seed``."""
-
-    def __init__(self, n: int, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, DIM, generator=gen, dtype=torch.float64)
-        teacher = torch.randn(DIM, CLASSES, generator=gen, dtype=torch.float64)
-        noise = torch.randn(n, CLASSES, generator=gen, dtype=torch.float64)
-        self.target = (self.x @ teacher + noise).argmax(dim=1)
-
-    def __len__(self) -> int:
-        return len(self.target)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"x": self.x[i], "target": self.target[i], "idx": i}
 
 
 class DropNet(nn.Module):
@@ -168,7 +151,7 @@ def build_trainer(
         step_lr = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         lr_callback = LRSchedulerCallback(step_lr, interval="epoch")
     return DistTrainer(
-        Samples(N_SAMPLES),
+        ToyData(N_SAMPLES),
         model,
         optimizer,
         loss=CrossEntropyLoss(),
