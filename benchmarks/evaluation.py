@@ -26,18 +26,10 @@ import subprocess
 import sys
 import time
 
+from fastdist.distributed.env import TORCHRUN_VARS  # a launch starts without them
+
 WORKER_ENV = "FASTDIST_EVAL_BENCH_WORKER"
 RESULT_PREFIX = "EVAL_BENCH_RESULT "
-TORCHRUN_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "GROUP_RANK",
-    "TORCHELASTIC_RUN_ID",
-)
 
 
 def parse_args() -> argparse.Namespace:

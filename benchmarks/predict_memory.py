@@ -35,18 +35,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from fastdist.distributed.env import TORCHRUN_VARS  # a launch starts without them
+
 WORKER_ENV = "FASTDIST_PREDICT_BENCH_WORKER"
 RESULT_PREFIX = "PREDICT_BENCH_RESULT "
-TORCHRUN_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "GROUP_RANK",
-    "TORCHELASTIC_RUN_ID",
-)
 MiB = 2**20
 
 

@@ -1,0 +1,563 @@
+"""fastdist vs a hand-written DDP loop: throughput, communication, import time and memory.
+
+Run on demand (never in CI), from the repository root with the project's venv active::
+
+    python benchmarks/run.py [--workload {tiny,medium,accumulation,all}] [--nproc N]
+                             [--repeats R] [--steps S]
+
+Every case is launched with torchrun on 127.0.0.1 (gloo on CPU, and nccl as well when CUDA is
+available), ``OMP_NUM_THREADS=1`` per process. Within one invocation the loops alternate:
+fastdist, hand, fastdist with ``print_every=10``, fastdist, hand, ... so slow drifts of the
+machine hit every loop alike. Medians over the repeats are reported, with the fastdist/hand
+ratio of samples/s; see ``docs/benchmarks.rst`` for what is timed and the measured results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastdist.distributed.env import TORCHRUN_VARS  # a launch starts without them
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+WORKER = BENCH_DIR / "worker.py"
+RESULT_PREFIX = "BENCH_JSON "
+WORKLOAD_NAMES = ("tiny", "medium", "accumulation")
+# Issue targets (2 processes, gloo): fastdist/hand samples/s, import time, memory.
+THROUGHPUT_TARGETS = {"tiny": 0.97, "medium": 0.99}
+IMPORT_TARGET_S = 0.1
+RSS_TARGET = 1.05
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the results: a loop and, for fastdist, its ``print_every``."""
+
+    label: str
+    loop: str
+    print_every: int  # 0: more than the run's updates (no periodic loss logging)
+
+
+VARIANTS = (
+    Variant("fastdist", "fastdist", 0),
+    Variant("hand", "hand", 0),
+    Variant("fastdist print_every=10", "fastdist", 10),
+)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def child_env() -> dict[str, str]:
+    """The environment of every launch: one OpenMP thread, no inherited torchrun variables."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def busy_jiffies() -> int:
+    """Non-idle CPU time of the whole machine so far, in clock ticks (``/proc/stat``)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0
+    return sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)
+
+
+def wait_idle(max_wait: float, threshold: float = 0.2, sample: float = 0.5) -> float:
+    """Wait (at most ``max_wait`` s) until other processes use < ``threshold`` cores.
+
+    Returns the load of the last sample, in cores. On a shared machine this keeps launches
+    out of other jobs' bursts; on an idle one it costs one ``sample``.
+    """
+    deadline = time.perf_counter() + max_wait
+    hz = os.sysconf("SC_CLK_TCK")
+    while True:
+        busy0 = busy_jiffies()
+        time.sleep(sample)
+        load = (busy_jiffies() - busy0) / hz / sample
+        if load < threshold or time.perf_counter() >= deadline:
+            return load
+
+
+def children_cpu() -> float:
+    """CPU seconds of this script's finished children (torchrun and its workers)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def launch(
+    workload: str, variant: Variant, nproc: int, backend: str, steps: int | None, timeout: float
+) -> dict[str, Any]:
+    """Run one case under torchrun; return rank 0's JSON result plus the launch's wall time."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(WORKER),
+        f"--loop={variant.loop}",
+        f"--workload={workload}",
+        f"--backend={backend}",
+        f"--print-every={variant.print_every}",
+    ]
+    if steps is not None:
+        cmd.append(f"--steps={steps}")
+    busy0, cpu0, start = busy_jiffies(), children_cpu(), time.perf_counter()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        msg = f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n{err[-4000:]}"
+        raise RuntimeError(msg) from None
+    wall = time.perf_counter() - start
+    results = [
+        line[len(RESULT_PREFIX) :] for line in out.splitlines() if line.startswith(RESULT_PREFIX)
+    ]
+    if len(results) != 1:
+        raise RuntimeError(
+            f"exit status {proc.returncode}: {' '.join(cmd)}\n{out[-2000:]}\n{err[-4000:]}"
+        )
+    result: dict[str, Any] = json.loads(results[0])
+    # A result printed before the job failed (e.g. while tearing down) is still a measurement;
+    # the failure is kept and reported.
+    result["exit_status"] = proc.returncode
+    if proc.returncode != 0:
+        tail = [line for line in err.splitlines() if "terminate" in line or "Error" in line]
+        result["exit_note"] = "; ".join(tail[-3:])
+    # Other processes' CPU use while this launch ran, in cores (machine busy minus ours).
+    foreign = (busy_jiffies() - busy0) / os.sysconf("SC_CLK_TCK") - (children_cpu() - cpu0)
+    result.update(variant=variant.label, launch_wall_s=wall, foreign_cores=max(foreign, 0) / wall)
+    return result
+
+
+def time_imports(repeats: int) -> dict[str, Any]:
+    """Wall time of fresh ``import torch`` and ``import torch, fastdist`` processes, alternated."""
+    env = child_env()
+    cases = {"torch": "import torch", "torch+fastdist": "import torch, fastdist"}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    cpu: dict[str, list[float]] = {name: [] for name in cases}
+    for i in range(repeats + 1):  # the first round warms the page cache and is dropped
+        for name, code in cases.items():
+            start, cpu0 = time.perf_counter(), children_cpu()
+            subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, check=True)
+            if i:
+                times[name].append(time.perf_counter() - start)
+                cpu[name].append(children_cpu() - cpu0)
+    # The same difference measured inside one process, which is less noisy.
+    code = (
+        "import time, torch; t = time.perf_counter(); import fastdist; "
+        "print(time.perf_counter() - t)"
+    )
+    inproc = [
+        float(
+            subprocess.run(
+                [sys.executable, "-c", code],
+                cwd=REPO_ROOT,
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        )
+        for _ in range(repeats)
+    ]
+    torch_s = statistics.median(times["torch"])
+    both_s = statistics.median(times["torch+fastdist"])
+    return {
+        "torch_s": torch_s,
+        "torch_fastdist_s": both_s,
+        "delta_s": both_s - torch_s,
+        "cpu_delta_s": statistics.median(cpu["torch+fastdist"]) - statistics.median(cpu["torch"]),
+        "in_process_s": statistics.median(inproc),
+        "repeats": repeats,
+    }
+
+
+def run_overhead(repeats: int, timeout: float) -> dict[str, Any] | None:
+    """Run ``overhead.py`` (one process, no DDP) and return its JSON result."""
+    cmd = [sys.executable, str(BENCH_DIR / "overhead.py"), "--json", f"--repeats={repeats}"]
+    proc = subprocess.run(
+        cmd, cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        print(f"overhead.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        return None
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def print_overhead(result: dict[str, Any]) -> None:
+    """Microseconds per update of each loop variant, and the difference to the hand loop."""
+    medians = result["us_per_update"]
+    hand = medians["hand (no DDP)"]
+    print(
+        f"loop cost without communication (1 process, no DDP, tiny MLP; median of "
+        f"{result['repeats']} x {result['updates']} updates):"
+    )
+    for label, us in medians.items():
+        print(f"  {label:<62}{us:8.1f} us/update  {us - hand:+7.1f}")
+    for label in result["skipped"]:
+        print(f"  {label}: not measured (fastdist no longer has that name)")
+
+
+def machine_info(nproc: int) -> dict[str, Any]:
+    """CPU, torch version, date and git revision, for the report."""
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        rev = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        rev = "unknown"
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "nproc": nproc,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.cuda.is_available(),
+        "git": rev,
+    }
+
+
+def median_of(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def main_thread_us(run: dict[str, Any]) -> float:
+    """Main-thread CPU microseconds per optimizer update, averaged over the ranks."""
+    per_rank = run["main_thread_cpu_s_ranks"]
+    return sum(per_rank) / len(per_rank) / run["timed_updates"] * 1e6
+
+
+def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (backend, workload, variant): medians, spread and ratios to the hand loop."""
+    rows = []
+    groups: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
+    for r in results:
+        groups.setdefault((r["backend"], r["workload"]), {}).setdefault(r["variant"], []).append(r)
+    for (backend, workload), by_variant in groups.items():
+        hand = by_variant.get("hand", [])
+        for variant in VARIANTS:
+            runs = by_variant.get(variant.label, [])
+            if not runs:
+                continue
+            sps = [r["samples_per_s"] for r in runs]
+            row: dict[str, Any] = {
+                "backend": backend,
+                "workload": workload,
+                "variant": variant.label,
+                "runs": len(runs),
+                "samples_per_s": statistics.median(sps),
+                "min": min(sps),
+                "max": max(sps),
+                "main_us": statistics.median(main_thread_us(r) for r in runs),
+                "rss_mib": median_of(runs, "rss_mib_max"),
+                "comm": runs[0]["comm_per_update"],
+                "checksums": sorted({r["checksum"] for r in runs}),
+                "timed_updates": runs[0]["timed_updates"],
+                "bad_exits": sum(1 for r in runs if r["exit_status"] != 0),
+            }
+            if hand:
+                row["ratio"] = row["samples_per_s"] / median_of(hand, "samples_per_s")
+                # Median of the per-repeat ratios (each run against the hand run of its repeat).
+                pairs = zip(runs, hand, strict=False)
+                row["paired_ratio"] = statistics.median(
+                    f["samples_per_s"] / h["samples_per_s"] for f, h in pairs
+                )
+                row["main_us_delta"] = row["main_us"] - statistics.median(
+                    main_thread_us(h) for h in hand
+                )
+                row["rss_ratio"] = row["rss_mib"] / median_of(hand, "rss_mib_max")
+                row["same_weights"] = row["checksums"] == sorted({h["checksum"] for h in hand})
+            rows.append(row)
+    return rows
+
+
+def print_results(rows: list[dict[str, Any]]) -> None:
+    """The results table, then the all-reduce counts of the workloads that count them."""
+    header = (
+        f"{'workload':<13}{'backend':<8}{'loop':<25}{'samples/s':>10}{'min..max':>15}"
+        f"{'vs hand':>9}{'paired':>8}{'CPU us/upd':>11}{'+us':>7}{'RSS MiB':>9}{'vs hand':>9}"
+        f"  same weights"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        spread = f"{row['min']:.0f}..{row['max']:.0f}"
+        print(
+            f"{row['workload']:<13}{row['backend']:<8}{row['variant']:<25}"
+            f"{row['samples_per_s']:>10.0f}{spread:>15}{row.get('ratio', 0):>9.3f}"
+            f"{row.get('paired_ratio', 0):>8.3f}{row['main_us']:>11.0f}"
+            f"{row.get('main_us_delta', 0):>+7.0f}{row['rss_mib']:>9.1f}"
+            f"{row.get('rss_ratio', 0):>9.3f}  {'yes' if row.get('same_weights') else 'NO'}"
+        )
+    comm_rows = [row for row in rows if row["comm"]]
+    if comm_rows:
+        print()
+        print("all-reduce per optimizer update (counted in the timed steady state):")
+        print(
+            f"  {'workload':<13}{'backend':<8}{'loop':<25}{'DDP calls':>10}{'DDP bytes':>12}"
+            f"{'other calls':>13}{'other bytes':>13}"
+        )
+        for row in comm_rows:
+            c = row["comm"]
+            print(
+                f"  {row['workload']:<13}{row['backend']:<8}{row['variant']:<25}"
+                f"{c['ddp_calls']:>10.3f}{c['ddp_bytes']:>12.1f}"
+                f"{c['explicit_calls']:>13.4f}{c['explicit_bytes']:>13.3f}"
+            )
+
+
+def targets(
+    rows: list[dict[str, Any]], imports: dict[str, Any] | None, nproc: int
+) -> list[tuple[str, str, str, bool]]:
+    """``(target, measured, goal, passed)`` for every issue target that this run measured."""
+    out: list[tuple[str, str, str, bool]] = []
+    gloo = {(r["workload"], r["variant"]): r for r in rows if r["backend"] == "gloo"}
+    for workload, goal in THROUGHPUT_TARGETS.items():
+        row = gloo.get((workload, "fastdist"))
+        if row and "ratio" in row:
+            measured = f"{row['ratio']:.3f} (paired {row['paired_ratio']:.3f})"
+            passed = row["ratio"] >= goal
+            out.append((f"{workload}: samples/s fastdist/hand", measured, f">= {goal}", passed))
+    fd, hand = gloo.get(("accumulation", "fastdist")), gloo.get(("accumulation", "hand"))
+    if fd and hand and fd["comm"] and hand["comm"]:
+        f, h = fd["comm"], hand["comm"]
+        for what, fmt in (("calls", ".4f"), ("bytes", ".1f")):
+            ddp_f, ddp_h = f[f"ddp_{what}"], h[f"ddp_{what}"]
+            measured = f"{ddp_f:{fmt}} vs {ddp_h:{fmt}}"
+            out.append(
+                (
+                    f"accumulation: gradient all-reduce {what}/update",
+                    measured,
+                    "equal",
+                    ddp_f == ddp_h,
+                )
+            )
+            all_f = ddp_f + f[f"explicit_{what}"]
+            all_h = ddp_h + h[f"explicit_{what}"]
+            measured = f"{all_f:{fmt}} vs {all_h:{fmt}}"
+            out.append(
+                (f"accumulation: all all-reduce {what}/update", measured, "equal", all_f == all_h)
+            )
+    if imports:
+        out.append(
+            (
+                "import fastdist over import torch",
+                f"{imports['delta_s']:+.3f} s (in-process {imports['in_process_s']:.3f} s)",
+                f"<= {IMPORT_TARGET_S} s",
+                imports["delta_s"] <= IMPORT_TARGET_S,
+            )
+        )
+    rss = [r for r in gloo.values() if r["variant"] == "fastdist" and "rss_ratio" in r]
+    if rss:
+        worst = max(rss, key=lambda r: r["rss_ratio"])
+        out.append(
+            (
+                "peak RSS fastdist/hand (worst workload)",
+                f"{worst['rss_ratio']:.3f} ({worst['workload']})",
+                f"<= {RSS_TARGET}",
+                worst["rss_ratio"] <= RSS_TARGET,
+            )
+        )
+    if nproc != 2:
+        out = [(f"{t} [nproc={nproc}]", m, g, p) for t, m, g, p in out]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--workload", choices=(*WORKLOAD_NAMES, "all"), default="all")
+    parser.add_argument("--nproc", type=int, default=2, help="processes per case (default 2)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of every loop (default 5)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed optimizer updates per run (default: "
+        "per workload, tiny 1000, medium 60, accumulation 250)",
+    )
+    parser.add_argument("--import-repeats", type=int, default=10, help="0 skips the import timing")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per launch")
+    parser.add_argument(
+        "--idle-wait",
+        type=float,
+        default=10,
+        help="before each launch wait up to this many seconds for other processes to go "
+        "below 0.2 cores (0: do not wait)",
+    )
+    parser.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.2,
+        help="a run during which other processes used more cores than this is run again",
+    )
+    parser.add_argument(
+        "--retries", type=int, default=2, help="how often such a run is run again (default 2)"
+    )
+    parser.add_argument(
+        "--overhead-repeats",
+        type=int,
+        default=5,
+        help="repeats of benchmarks/overhead.py (1 process, no DDP); 0 skips it",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write all raw results here")
+    args = parser.parse_args()
+    if args.nproc < 1 or args.repeats < 1 or (args.steps is not None and args.steps < 1):
+        parser.error("--nproc, --repeats and --steps must be >= 1")
+
+    info = machine_info(args.nproc)
+    print(
+        f"# {info['date']}  {info['cpu']} ({info['cores']} cores)  torch {info['torch']}  "
+        f"python {info['python']}  git {info['git']}  nproc {args.nproc}  "
+        f"repeats {args.repeats}",
+        flush=True,
+    )
+    backends = ["gloo"] + (["nccl"] if info["cuda"] else [])
+    workloads = WORKLOAD_NAMES if args.workload == "all" else (args.workload,)
+    started = time.perf_counter()
+    imports = time_imports(args.import_repeats) if args.import_repeats > 0 else None
+    if imports:
+        print(
+            f"import torch {imports['torch_s']:.3f} s, import torch+fastdist "
+            f"{imports['torch_fastdist_s']:.3f} s (fresh processes, median of "
+            f"{imports['repeats']}): {imports['delta_s']:+.3f} s wall, "
+            f"{imports['cpu_delta_s']:+.3f} s CPU; in-process {imports['in_process_s']:.3f} s",
+            flush=True,
+        )
+    results: list[dict[str, Any]] = []
+    failures: list[str] = []
+    for backend in backends:
+        for workload in workloads:
+            for rep in range(args.repeats):
+                for variant in VARIANTS:  # alternate the loops within every repeat
+                    r = None
+                    for attempt in range(1 + args.retries):
+                        if args.idle_wait > 0:
+                            wait_idle(args.idle_wait)
+                        try:
+                            r = launch(
+                                workload, variant, args.nproc, backend, args.steps, args.timeout
+                            )
+                        except RuntimeError as exc:
+                            failures.append(str(exc))
+                            print(f"FAILED {workload} {backend} {variant.label}:\n{exc}")
+                            break
+                        r["attempt"] = attempt + 1
+                        if r["foreign_cores"] <= args.max_foreign:
+                            break
+                        print(
+                            f"  (others used {r['foreign_cores']:.2f} cores during a "
+                            f"{variant.label} run: measured again)",
+                            flush=True,
+                        )
+                    if r is None:
+                        continue
+                    results.append(r)
+                    print(
+                        f"  {workload:<13}{backend:<6}rep {rep + 1}/{args.repeats} "
+                        f"{variant.label:<25}{r['samples_per_s']:>10.0f} samples/s "
+                        f"({r['elapsed_s']:.2f} s timed, {r['launch_wall_s']:.1f} s launch, "
+                        f"others used {r['foreign_cores']:.2f} cores)",
+                        flush=True,
+                    )
+    overhead = None
+    if args.overhead_repeats > 0:
+        overhead = run_overhead(args.overhead_repeats, args.timeout)
+    print()
+    rows = summarize(results)
+    print(f"results: median of {args.repeats} runs per row, {args.nproc} processes")
+    print_results(rows)
+    print()
+    foreign = statistics.median(r["foreign_cores"] for r in results) if results else 0.0
+    busy = sum(1 for r in results if r["foreign_cores"] > args.max_foreign)
+    print(
+        f"other processes' CPU use during the runs: median {foreign:.2f} cores; {busy} of "
+        f"{len(results)} kept runs above {args.max_foreign} cores even after "
+        f"{args.retries} retries"
+    )
+    if busy:
+        print("WARNING: the machine was not idle; throughput numbers are noisy.")
+    bad = [r for r in results if r["exit_status"] != 0]
+    if bad:
+        print(f"WARNING: {len(bad)} launch(es) reported a result, then exited abnormally:")
+        for r in bad:
+            print(f"  {r['workload']} {r['variant']}: exit {r['exit_status']} {r['exit_note']}")
+    print()
+    checks = targets(rows, imports, args.nproc)
+    if checks:
+        width = max(len(t) for t, _, _, _ in checks) + 2
+        print(f"{'target':<{width}}{'measured':<40}{'goal':<10}result")
+        for target, measured, goal, passed in checks:
+            print(f"{target:<{width}}{measured:<40}{goal:<10}{'PASS' if passed else 'MISS'}")
+    if overhead:
+        print()
+        print_overhead(overhead)
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    if args.json:
+        payload = {
+            "machine": info,
+            "imports": imports,
+            "overhead": overhead,
+            "runs": results,
+            "rows": rows,
+        }
+        args.json.write_text(json.dumps(payload, indent=1))
+    if failures:
+        sys.exit(f"{len(failures)} launch(es) failed")
+
+
+if __name__ == "__main__":
+    main()
