@@ -20,13 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
 
-from fastdist.distributed.env import TORCHRUN_VARS  # a launch starts without them
+from common import child_env, run_job
 
 WORKER_ENV = "FASTDIST_EVAL_BENCH_WORKER"
 RESULT_PREFIX = "EVAL_BENCH_RESULT "
@@ -40,13 +37,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for the job")
     return parser.parse_args()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def busy_jiffies() -> int:
@@ -156,29 +146,8 @@ def worker(args: argparse.Namespace) -> None:
 
 def launch(args: argparse.Namespace) -> dict:
     """Run this script as the worker under torchrun; return rank 0's result."""
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    # The worker's options travel in the environment: torchrun's own parser would take
-    # ``--n=...`` after the script for an abbreviation of its ``--nnodes``.
-    env.update({WORKER_ENV: json.dumps(vars(args)), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={args.nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        os.path.abspath(__file__),
-    ]
-    proc = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or len(lines) != 1:
-        raise SystemExit(
-            f"worker failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}\n"
-            f"{proc.stderr[-4000:]}"
-        )
-    return json.loads(lines[0][len(RESULT_PREFIX) :])
+    env = child_env({WORKER_ENV: json.dumps(vars(args))})
+    return run_job(__file__, args.nproc, env, RESULT_PREFIX, args.timeout)
 
 
 def main() -> None:

@@ -25,7 +25,6 @@ import gc
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from fastdist.distributed.env import TORCHRUN_VARS  # a launch starts without them
+from common import child_env, run_job
 
 WORKER_ENV = "FASTDIST_PREDICT_BENCH_WORKER"
 RESULT_PREFIX = "PREDICT_BENCH_RESULT "
@@ -175,19 +174,6 @@ def worker(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- driver
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def child_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, **extra)
-    return env
-
-
 def idle_rss(code: str) -> int:
     """VmRSS in bytes of a fresh ``python -c`` that ran ``code``."""
     probe = f"{code}\nprint(open('/proc/self/status').read().split('VmRSS:')[1].split()[0])"
@@ -203,28 +189,8 @@ def idle_rss(code: str) -> int:
 
 def launch(args: argparse.Namespace, nproc: int) -> dict[str, Any]:
     """One torchrun job of ``nproc`` workers; rank 0's result."""
-    # Options go through the environment: torchrun's parser would read ``--n=...`` after the
-    # script as an abbreviation of its own ``--nnodes``.
     env = child_env({WORKER_ENV: json.dumps(vars(args))})
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        os.path.abspath(__file__),
-    ]
-    proc = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or len(lines) != 1:
-        raise SystemExit(
-            f"worker failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}\n"
-            f"{proc.stderr[-4000:]}"
-        )
-    return json.loads(lines[0][len(RESULT_PREFIX) :])
+    return run_job(__file__, nproc, env, RESULT_PREFIX, args.timeout)
 
 
 def main() -> None:

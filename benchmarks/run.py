@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastdist.distributed.env import TORCHRUN_VARS  # a launch starts without them
+from common import child_env, free_port
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -56,20 +55,6 @@ VARIANTS = (
     Variant("hand", "hand", 0),
     Variant("fastdist print_every=10", "fastdist", 10),
 )
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def child_env() -> dict[str, str]:
-    """The environment of every launch: one OpenMP thread, no inherited torchrun variables."""
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def busy_jiffies() -> int:

@@ -1,0 +1,52 @@
+"""What the benchmark drivers share: ports, the workers' environment, one torchrun job."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+from fastdist.distributed.env import TORCHRUN_VARS
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment without torchrun's variables, one thread per process, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, **(extra or {}))
+    return env
+
+
+def run_job(script: str, nproc: int, env: dict[str, str], prefix: str, timeout: float) -> dict:
+    """Run ``script`` under torchrun on 127.0.0.1; return the JSON rank 0 printed after ``prefix``.
+
+    The workers' options travel in ``env``: torchrun's parser would read an option such as
+    ``--n=...`` after the script as an abbreviation of its own ``--nnodes``.
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        os.path.abspath(script),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(prefix)]
+    if proc.returncode != 0 or len(lines) != 1:
+        raise SystemExit(
+            f"worker failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}\n"
+            f"{proc.stderr[-4000:]}"
+        )
+    result: dict[str, Any] = json.loads(lines[0][len(prefix) :])
+    return result
