@@ -13,11 +13,10 @@ from typing import Any
 
 import pytest
 import torch
+from inprocess import make_trainer
 from launch import Result, run_python, run_torchrun
 from torch import nn
-from torch.utils.data import TensorDataset
 
-from fastdist import AccuracyMetric, CrossEntropyLoss, DistTrainer
 from fastdist.callbacks.json_log import JSONLogCallback
 
 WORKER = Path(__file__).resolve().parent / "workers" / "json_log_worker.py"
@@ -124,36 +123,6 @@ def test_an_eval_record_per_evaluation(run: Run) -> None:
 
 
 # In-process: a one-process world without a process group.
-
-
-class Linear(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"pred": self.fc(x)}
-
-
-def make_trainer(callback: JSONLogCallback, **kwargs: Any) -> DistTrainer:
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(24, 4, generator=gen)
-    data = TensorDataset(x, (x[:, 0] > 0).long())
-    model = Linear()
-    options: dict[str, Any] = {
-        "train_data": data,
-        "dev_data": data,
-        "model": model,
-        "optimizer": torch.optim.SGD(model.parameters(), lr=0.05),
-        "loss": CrossEntropyLoss(),
-        "metrics": AccuracyMetric(),
-        "callbacks_master": [callback],
-        "batch_size_per_gpu": 4,
-        "print_every": 2,
-        "use_tqdm": False,
-    }
-    options.update(kwargs)
-    return DistTrainer(**options)
 
 
 @pytest.mark.usefixtures("no_dist_env")

@@ -8,47 +8,15 @@ from typing import Any
 
 import pytest
 import torch
+from inprocess import make_trainer
 from torch import nn
-from torch.utils.data import TensorDataset
 
-from fastdist import AccuracyMetric, CrossEntropyLoss, DistTrainer
 from fastdist.callbacks.tensorboard import TensorBoardCallback
 
 # 24 samples, batch 4: 6 updates per epoch; 2 epochs; the loss is logged every 2 updates.
 N_EPOCHS, PRINT_EVERY = 2, 2
 TRAIN_STEPS = [2, 4, 6, 8, 10, 12]
 EVAL_STEPS = [6, 12]
-
-
-class Linear(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"pred": self.fc(x)}
-
-
-def make_trainer(callback: TensorBoardCallback, **kwargs: Any) -> DistTrainer:
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(24, 4, generator=gen)
-    data = TensorDataset(x, (x[:, 0] > 0).long())
-    model = Linear()
-    options: dict[str, Any] = {
-        "train_data": data,
-        "dev_data": data,
-        "model": model,
-        "optimizer": torch.optim.SGD(model.parameters(), lr=0.05),
-        "loss": CrossEntropyLoss(),
-        "metrics": AccuracyMetric(),
-        "callbacks_master": [callback],
-        "batch_size_per_gpu": 4,
-        "n_epochs": N_EPOCHS,
-        "print_every": PRINT_EVERY,
-        "use_tqdm": False,
-    }
-    options.update(kwargs)
-    return DistTrainer(**options)
 
 
 def read_events(log_dir: Path) -> Any:
@@ -67,7 +35,7 @@ def steps(events: Any, tag: str) -> list[int]:
 def test_scalars_and_hparams_are_written(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     callback = TensorBoardCallback(tmp_path / "tb", hparams={"model": "linear", "seed": None})
-    result = make_trainer(callback).train()
+    result = make_trainer(callback, n_epochs=N_EPOCHS).train()
     assert callback.writer is None, "closed at train end"
     events = read_events(tmp_path / "tb")
     scalars = set(events.Tags()["scalars"])
@@ -102,7 +70,7 @@ def test_a_failing_run_is_flushed_and_closed(tmp_path: Path) -> None:
 
     callback = TensorBoardCallback(tmp_path / "tb", flush_secs=3600)
     with pytest.raises(RuntimeError, match="deliberate failure"):
-        make_trainer(callback, loss=loss).train()
+        make_trainer(callback, n_epochs=N_EPOCHS, loss=loss).train()
     assert callback.writer is None
     events = read_events(tmp_path / "tb")
     assert steps(events, "train/loss") == [2, 4]  # flushed on the exception
@@ -116,5 +84,5 @@ def test_missing_tensorboard_says_what_to_install(
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
     callback = TensorBoardCallback(tmp_path / "tb")
     with pytest.raises(ImportError, match=r"pip install tensorboard.*fastdist\[tensorboard\]"):
-        make_trainer(callback).train()
+        make_trainer(callback, n_epochs=N_EPOCHS).train()
     assert not (tmp_path / "tb").exists()
