@@ -264,16 +264,28 @@ def main_thread_us(run: dict[str, Any]) -> float:
     return sum(per_rank) / len(per_rank) / run["timed_updates"] * 1e6
 
 
-def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (backend, workload, variant): medians, spread and ratios to the hand loop."""
+def quiet(runs: list[dict[str, Any]], max_foreign: float) -> list[dict[str, Any]]:
+    """The runs during which other processes stayed under ``max_foreign`` cores, if >= 3."""
+    kept = [r for r in runs if r["foreign_cores"] <= max_foreign]
+    return kept if len(kept) >= 3 else runs
+
+
+def summarize(results: list[dict[str, Any]], max_foreign: float) -> list[dict[str, Any]]:
+    """One row per (backend, workload, variant): medians, spread and ratios to the hand loop.
+
+    Runs disturbed by other processes (over ``max_foreign`` cores) are left out of a row when
+    at least 3 undisturbed ones remain; pairs count only when both runs are undisturbed.
+    """
     rows = []
     groups: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
     for r in results:
         groups.setdefault((r["backend"], r["workload"]), {}).setdefault(r["variant"], []).append(r)
     for (backend, workload), by_variant in groups.items():
-        hand = by_variant.get("hand", [])
+        all_hand = by_variant.get("hand", [])
+        hand = quiet(all_hand, max_foreign)
         for variant in VARIANTS:
-            runs = by_variant.get(variant.label, [])
+            all_runs = by_variant.get(variant.label, [])
+            runs = quiet(all_runs, max_foreign)
             if not runs:
                 continue
             sps = [r["samples_per_s"] for r in runs]
@@ -282,6 +294,7 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "workload": workload,
                 "variant": variant.label,
                 "runs": len(runs),
+                "all_runs": len(all_runs),
                 "samples_per_s": statistics.median(sps),
                 "min": min(sps),
                 "max": max(sps),
@@ -295,10 +308,17 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if hand:
                 row["ratio"] = row["samples_per_s"] / median_of(hand, "samples_per_s")
                 # Median of the per-repeat ratios (each run against the hand run of its repeat).
-                pairs = zip(runs, hand, strict=False)
-                row["paired_ratio"] = statistics.median(
-                    f["samples_per_s"] / h["samples_per_s"] for f, h in pairs
-                )
+                pairs = [
+                    f["samples_per_s"] / h["samples_per_s"]
+                    for i, (f, h) in enumerate(zip(all_runs, all_hand, strict=False))
+                    if f.get("repeat", i) == h.get("repeat", i)
+                    and max(f["foreign_cores"], h["foreign_cores"]) <= max_foreign
+                ] or [
+                    f["samples_per_s"] / h["samples_per_s"]
+                    for f, h in zip(all_runs, all_hand, strict=False)
+                ]
+                row["paired_ratio"] = statistics.median(pairs)
+                row["pairs"] = len(pairs)
                 row["main_us_delta"] = row["main_us"] - statistics.median(
                     main_thread_us(h) for h in hand
                 )
@@ -311,7 +331,7 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def print_results(rows: list[dict[str, Any]]) -> None:
     """The results table, then the all-reduce counts of the workloads that count them."""
     header = (
-        f"{'workload':<13}{'backend':<8}{'loop':<25}{'samples/s':>10}{'min..max':>15}"
+        f"{'workload':<13}{'backend':<8}{'loop':<25}{'runs':>5}{'samples/s':>10}{'min..max':>15}"
         f"{'vs hand':>9}{'paired':>8}{'CPU us/upd':>11}{'+us':>7}{'RSS MiB':>9}{'vs hand':>9}"
         f"  same weights"
     )
@@ -321,7 +341,7 @@ def print_results(rows: list[dict[str, Any]]) -> None:
         spread = f"{row['min']:.0f}..{row['max']:.0f}"
         print(
             f"{row['workload']:<13}{row['backend']:<8}{row['variant']:<25}"
-            f"{row['samples_per_s']:>10.0f}{spread:>15}{row.get('ratio', 0):>9.3f}"
+            f"{row['runs']:>5}{row['samples_per_s']:>10.0f}{spread:>15}{row.get('ratio', 0):>9.3f}"
             f"{row.get('paired_ratio', 0):>8.3f}{row['main_us']:>11.0f}"
             f"{row.get('main_us_delta', 0):>+7.0f}{row['rss_mib']:>9.1f}"
             f"{row.get('rss_ratio', 0):>9.3f}  {'yes' if row.get('same_weights') else 'NO'}"
@@ -480,7 +500,7 @@ def main() -> None:
                             failures.append(str(exc))
                             print(f"FAILED {workload} {backend} {variant.label}:\n{exc}")
                             break
-                        r["attempt"] = attempt + 1
+                        r["attempt"], r["repeat"] = attempt + 1, rep
                         if r["foreign_cores"] <= args.max_foreign:
                             break
                         print(
@@ -502,8 +522,11 @@ def main() -> None:
     if args.overhead_repeats > 0:
         overhead = run_overhead(args.overhead_repeats, args.timeout)
     print()
-    rows = summarize(results)
-    print(f"results: median of {args.repeats} runs per row, {args.nproc} processes")
+    rows = summarize(results, args.max_foreign)
+    print(
+        f"results: {args.nproc} processes, medians over the runs (of {args.repeats}) during "
+        f"which other processes used <= {args.max_foreign} cores (all runs if fewer than 3)"
+    )
     print_results(rows)
     print()
     foreign = statistics.median(r["foreign_cores"] for r in results) if results else 0.0
