@@ -26,13 +26,9 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_job(script: str, nproc: int, env: dict[str, str], prefix: str, timeout: float) -> dict:
-    """Run ``script`` under torchrun on 127.0.0.1; return the JSON rank 0 printed after ``prefix``.
-
-    The workers' options travel in ``env``: torchrun's parser would read an option such as
-    ``--n=...`` after the script as an abbreviation of its own ``--nnodes``.
-    """
-    cmd = [
+def torchrun_command(script: str, nproc: int, args: list[str] | None = None) -> list[str]:
+    """``python -m torch.distributed.run`` of ``script`` with ``nproc`` workers on 127.0.0.1."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -40,7 +36,17 @@ def run_job(script: str, nproc: int, env: dict[str, str], prefix: str, timeout: 
         "--master-addr=127.0.0.1",
         f"--master-port={free_port()}",
         os.path.abspath(script),
+        *(args or []),
     ]
+
+
+def run_job(script: str, nproc: int, env: dict[str, str], prefix: str, timeout: float) -> dict:
+    """Run ``script`` under torchrun on 127.0.0.1; return the JSON rank 0 printed after ``prefix``.
+
+    The workers' options travel in ``env``: torchrun's parser would read an option such as
+    ``--n=...`` after the script as an abbreviation of its own ``--nnodes``.
+    """
+    cmd = torchrun_command(script, nproc)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(prefix)]
     if proc.returncode != 0 or len(lines) != 1:

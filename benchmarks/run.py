@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import child_env, free_port
+from common import child_env, torchrun_command
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -95,19 +95,16 @@ def launch(
     workload: str, variant: Variant, nproc: int, backend: str, steps: int | None, timeout: float
 ) -> dict[str, Any]:
     """Run one case under torchrun; return rank 0's JSON result plus the launch's wall time."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
+    cmd = torchrun_command(
         str(WORKER),
-        f"--loop={variant.loop}",
-        f"--workload={workload}",
-        f"--backend={backend}",
-        f"--print-every={variant.print_every}",
-    ]
+        nproc,
+        [
+            f"--loop={variant.loop}",
+            f"--workload={workload}",
+            f"--backend={backend}",
+            f"--print-every={variant.print_every}",
+        ],
+    )
     if steps is not None:
         cmd.append(f"--steps={steps}")
     busy0, cpu0, start = busy_jiffies(), children_cpu(), time.perf_counter()
