@@ -2,8 +2,7 @@
 
 With one process ``DistTrainer`` does not wrap the model in DDP, so this compares its loop with
 the same hand-written loop (no DDP either) on the tiny MLP, alternating in one process, and
-reports microseconds per optimizer update. Ablations replace one fastdist piece at a time (by
-patching the name the trainer module looks up, never fastdist's files) to attribute the cost.
+reports microseconds per optimizer update.
 
 Run: ``python benchmarks/overhead.py [--updates N] [--repeats R]``; ``run.py`` runs it too.
 """
@@ -11,13 +10,11 @@ Run: ``python benchmarks/overhead.py [--updates N] [--repeats R]``; ``run.py`` r
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -95,63 +92,20 @@ def fastdist_loop(data: TensorDataset, updates: int) -> float:
     return (marks["end"] - marks["start"]) / (trainer.state.global_step - 10)
 
 
-@contextlib.contextmanager
-def patched(module: str, name: str, value: Any) -> Iterator[bool]:
-    """Temporarily replace ``module.name``; yields whether the name existed."""
-    mod = importlib.import_module(module)
-    if not hasattr(mod, name):
-        yield False
-        return
-    original = getattr(mod, name)
-    setattr(mod, name, value)
-    try:
-        yield True
-    finally:
-        setattr(mod, name, original)
-
-
-# (label, module, name, replacement): fastdist pieces whose cost is measured by removing them.
-ABLATIONS: list[tuple[str, str, str, Any]] = [
-    (
-        "without gradients_finite (norm + .item() per update)",
-        "fastdist.trainer.dist_trainer",
-        "gradients_finite",
-        lambda model: True,
-    ),
-]
-
-
 def measure(updates: int, repeats: int) -> dict[str, Any]:
     """Alternate the loops ``repeats`` times; medians in microseconds per update."""
     data = build_data(WORKLOADS["tiny"], 64 * BATCH)
-    cases: list[tuple[str, Callable[[], float], tuple[str, str, Any] | None]] = [
-        ("hand (no DDP)", lambda: hand_loop(data, updates), None),
-        ("fastdist", lambda: fastdist_loop(data, updates), None),
-    ]
-    for label, module, name, value in ABLATIONS:
-        cases.append(
-            (f"fastdist {label}", lambda: fastdist_loop(data, updates), (module, name, value))
-        )
-    times: dict[str, list[float]] = {label: [] for label, _, _ in cases}
-    skipped: list[str] = []
+    cases: dict[str, Callable[[], float]] = {
+        "hand (no DDP)": lambda: hand_loop(data, updates),
+        "fastdist": lambda: fastdist_loop(data, updates),
+    }
+    times: dict[str, list[float]] = {label: [] for label in cases}
     fastdist_loop(data, 50)  # warm up imports and allocator
     for _ in range(repeats):
-        for label, fn, patch in cases:
-            if patch is None:
-                times[label].append(fn() * 1e6)
-                continue
-            with patched(*patch) as present:
-                if not present:
-                    skipped.append(label)
-                    continue
-                times[label].append(fn() * 1e6)
-    medians = {label: statistics.median(v) for label, v in times.items() if v}
-    return {
-        "us_per_update": medians,
-        "updates": updates,
-        "repeats": repeats,
-        "skipped": sorted(set(skipped)),
-    }
+        for label, fn in cases.items():
+            times[label].append(fn() * 1e6)
+    medians = {label: statistics.median(v) for label, v in times.items()}
+    return {"us_per_update": medians, "updates": updates, "repeats": repeats}
 
 
 def report(result: dict[str, Any]) -> None:
@@ -164,22 +118,19 @@ def report(result: dict[str, Any]) -> None:
     )
     for label, us in medians.items():
         print(f"  {label:<60}{us:8.1f} us/update  ({us - hand:+.1f} vs hand)")
-    for label in result["skipped"]:
-        print(f"  {label}: skipped (fastdist no longer has that name)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--updates", type=int, default=1500)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", action="store_true", help="print one JSON line instead")
+    parser.add_argument("--json", action="store_true", help="also print the result as JSON")
     args = parser.parse_args()
     torch.set_num_threads(1)
     result = measure(args.updates, args.repeats)
+    report(result)
     if args.json:
         print(json.dumps(result))
-    else:
-        report(result)
 
 
 if __name__ == "__main__":

@@ -193,31 +193,18 @@ def time_imports(repeats: int) -> dict[str, Any]:
 
 
 def run_overhead(repeats: int, timeout: float) -> dict[str, Any] | None:
-    """Run ``overhead.py`` (one process, no DDP) and return its JSON result."""
+    """Run ``overhead.py`` (one process, no DDP); its JSON result, with its report as text."""
     cmd = [sys.executable, str(BENCH_DIR / "overhead.py"), "--json", f"--repeats={repeats}"]
     proc = subprocess.run(
         cmd, cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
     )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
+    lines = proc.stdout.splitlines()
+    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
         print(f"overhead.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         return None
     result: dict[str, Any] = json.loads(lines[-1])
+    result["report"] = "\n".join(lines[:-1])
     return result
-
-
-def print_overhead(result: dict[str, Any]) -> None:
-    """Microseconds per update of each loop variant, and the difference to the hand loop."""
-    medians = result["us_per_update"]
-    hand = medians["hand (no DDP)"]
-    print(
-        f"loop cost without communication (1 process, no DDP, tiny MLP; median of "
-        f"{result['repeats']} x {result['updates']} updates):"
-    )
-    for label, us in medians.items():
-        print(f"  {label:<62}{us:8.1f} us/update  {us - hand:+7.1f}")
-    for label in result["skipped"]:
-        print(f"  {label}: not measured (fastdist no longer has that name)")
 
 
 def machine_info(nproc: int) -> dict[str, Any]:
@@ -548,8 +535,7 @@ def main() -> None:
         for target, measured, goal, passed in checks:
             print(f"{target:<{width}}{measured:<40}{goal:<10}{'PASS' if passed else 'MISS'}")
     if overhead:
-        print()
-        print_overhead(overhead)
+        print("\n" + overhead["report"])
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     if args.json:
         payload = {

@@ -91,7 +91,17 @@ def test_nonfinite_loss_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None
     output = _failed("nan_raise", tmp_path)
     for rank in (0, 1):
         assert f"[rank {rank}] rank {rank} raised FloatingPointError: non-finite loss" in output
-    assert "ranks with a non-finite loss: [1]" in output
+    # Rank 1's NaN at update 3 reaches every rank's weights, so both see NaN at update 4.
+    message = "non-finite loss by update 4, first at update 3 on rank 1; ranks with a non-finite"
+    assert f"{message} loss: [0, 1]" in output
+
+
+@pytest.mark.slow
+def test_nonfinite_weights_are_caught_before_training_ends(tmp_path: Path) -> None:
+    output = _failed("inf_weight", tmp_path)
+    message = "FloatingPointError: the model's parameters are NaN/Inf on ranks [0, 1] at update 8"
+    for rank in (0, 1):
+        assert f"[rank {rank}] rank {rank} raised {message}" in output
 
 
 @pytest.mark.slow

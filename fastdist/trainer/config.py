@@ -74,6 +74,12 @@ class TrainerConfig:
             _check_int("prefetch_factor", self.prefetch_factor, minimum=1)
         if self.on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {self.on_nonfinite!r}")
+        if self.on_nonfinite == "skip" and self.average_every:
+            raise ValueError(
+                "on_nonfinite='skip' needs the gradients all-reduced every update, so that every "
+                "rank skips the same updates; average_every steps on local gradients: use "
+                "on_nonfinite='raise' with it"
+            )
         if self.metric_key is not None and not isinstance(self.metric_key, str):
             raise TypeError(
                 f"metric_key must be a str such as 'acc' or '-loss', got {self.metric_key!r}"

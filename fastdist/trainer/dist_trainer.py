@@ -5,10 +5,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -46,12 +47,7 @@ from fastdist.trainer.precision import Precision
 from fastdist.trainer.predict import predict as run_predict
 from fastdist.trainer.preemption import SigtermFlag
 from fastdist.trainer.progress import Progress
-from fastdist.trainer.safety import (
-    check_even_shards,
-    check_in_sync,
-    gradients_finite,
-    nonfinite_ranks,
-)
+from fastdist.trainer.safety import all_finite, check_even_shards, check_in_sync, failing_ranks
 from fastdist.trainer.sampler import ResumableSampler
 from fastdist.trainer.state import TrainerState
 
@@ -80,7 +76,8 @@ class DistTrainer:
         metric_key: the result key that picks the best model; ``"-loss"`` means lower is
             better; default: the first key of the first metric.
         update_every: micro-batches per optimizer update (gradient accumulation).
-        print_every: updates between logged losses (also when stop requests are agreed).
+        print_every: updates between logged losses (also when stop requests are agreed and
+            the losses are checked for NaN/Inf).
         validate_every: evaluate every N updates; ``-1`` at the end of every epoch.
         save_path: directory for the best model's ``state_dict``, the checkpoints and the
             run's JSON log (``log.jsonl``); ``None`` saves nothing.
@@ -95,8 +92,11 @@ class DistTrainer:
         find_unused_parameters: passed to ``DistributedDataParallel``.
         timeout: seconds any collective of the trainer may wait before every rank reports
             where each rank is and exits; default torch's (30 minutes).
-        on_nonfinite: ``"raise"`` or ``"skip"`` when a loss or gradient is NaN/Inf; every
-            rank sees the same all-reduced gradients, so every rank decides the same.
+        on_nonfinite: ``"raise"``: the losses are checked where they are read (every log step,
+            evaluation, checkpoint and at the end), the model before it is evaluated or saved,
+            and every rank raises, naming the ranks and the first update with a NaN/Inf loss.
+            ``"skip"``: every update's all-reduced gradients are checked (one host read per
+            update) and a non-finite update is skipped on every rank.
         check_sync_every: every N updates (and at the end) compare a checksum of the
             parameters across ranks and raise on the first that differs; 0 turns it off.
         checkpoint_every: write a checkpoint every N optimizer updates as well as at every
@@ -305,6 +305,7 @@ class DistTrainer:
         self.progress = Progress(show=False, use_tqdm=False, total=0, initial=0, global_batch=0)
         self.sigterm = SigtermFlag()  # watched during train(); agreed at sync points
         self.preempted = False  # a SIGTERM agreed by all ranks
+        self.stop_agreed = False  # a stop (request or SIGTERM) agreed by all ranks
 
     @property
     def best_model_path(self) -> str | None:
@@ -363,13 +364,15 @@ class DistTrainer:
             self.state.global_step,
             global_batch,
         )
+        self.losses.reset(self.state.global_step)
         try:
             with self.sigterm.watching():
                 self._loop()
             if self.preempted:
-                self.checkpointer.save(self)
+                self._save_checkpoint()
                 logger.warning("pre-empted: checkpoint written at step %d", self.state.global_step)
                 raise SystemExit(self.PREEMPTED_EXIT_CODE)
+            self._sync(check_model=True)  # the last updates' losses and the final weights
             if cfg.check_sync_every:
                 check_in_sync(self.model, self.state.global_step, self.group)
             if cfg.load_best_model and self.state.best_eval is not None:
@@ -402,7 +405,6 @@ class DistTrainer:
             state.epoch = epoch
             self.board.publish(epoch=epoch, step=state.global_step, phase="train")
             callbacks.on_epoch_begin()
-            stop = False
             for batch_idx, batch in enumerate(self._epoch_batches(epoch)):
                 state.batch_idx = batch_idx
                 state.is_update = self._ends_window(batch_idx)
@@ -415,32 +417,32 @@ class DistTrainer:
                         callbacks.on_loss_begin(batch, output)
                         loss = self.losses.add(self.loss_fn(output, batch))
                     callbacks.on_backward_begin(loss)
-                    self.precision.backward(loss * self.losses.weight(self.weights[batch_idx]))
+                    weight = self.losses.weight(self.weights[batch_idx])
+                    self.precision.backward(loss if weight == 1.0 else loss * weight)
                 if state.is_update:  # (sum, count) losses: divide by the update's global count
                     self.losses.normalize(self.model, self.world_size, self.group)
                 callbacks.on_backward_end()
                 if state.is_update and self._optimizer_step():
                     if state.global_step % cfg.print_every == 0:
-                        stop = self._sync(log_loss=True)  # on_step_end sees the fresh loss
+                        self._sync(log_loss=True)  # on_step_end sees the fresh loss
                     callbacks.on_step_end()
                     if cfg.validate_every > 0 and state.global_step % cfg.validate_every == 0:
                         self._validate()
-                        stop = self._sync()
                     ends_epoch = batch_idx + 1 == len(self.weights)  # saved just below
                     if self.checkpointer.due(state.global_step) and not ends_epoch:
-                        self.checkpointer.save(self)
+                        self._save_checkpoint()
                 callbacks.on_batch_end()
-                if stop:
+                if self.stop_agreed:
                     break
-            if not stop:  # the epoch ran to its end
+            if not self.stop_agreed:  # the epoch ran to its end
                 state.epoch_complete = True
                 if cfg.validate_every < 0:
                     self._validate()
             if not self.preempted:  # a pre-empted epoch has not ended: it resumes later
                 callbacks.on_epoch_end()
             if state.epoch_complete:
-                self.checkpointer.save(self)
-            if stop or self._sync():
+                self._save_checkpoint()
+            if self.stop_agreed:
                 break
         if not self.preempted:
             callbacks.on_train_end()
@@ -505,8 +507,9 @@ class DistTrainer:
         """Step, unless the gradients are non-finite or fp16 overflowed; say whether it did."""
         state, cfg = self.state, self.config
         # With fp16 the gradient scaler handles overflow itself, skipping such steps.
-        if self.precision.scaler is None and not gradients_finite(self.model):
-            self._nonfinite_update()
+        skip = cfg.on_nonfinite == "skip" and self.precision.scaler is None
+        if skip and not all_finite(p.grad for p in self.model.parameters()):
+            self._skip_nonfinite_update()
             applied = False
         else:
             applied = self.precision.step(self.optimizer)
@@ -525,47 +528,71 @@ class DistTrainer:
             check_in_sync(self.model, state.global_step, self.group)
         return True
 
-    def _nonfinite_update(self) -> None:
-        """Raise (``on_nonfinite="raise"``) or warn of a skip, naming the culprit ranks."""
-        state = self.state
-        culprits = nonfinite_ranks(self.losses.window_loss, self.group)
-        message = (
-            f"non-finite loss or gradient at epoch {state.epoch} update "
-            f"{state.global_step + 1}; ranks with a non-finite loss: {culprits}"
+    def _skip_nonfinite_update(self) -> None:
+        """Warn that this update is skipped on every rank, naming the ranks with a NaN/Inf loss."""
+        finite = bool(torch.isfinite(self.losses.window_loss()))
+        culprits = list(failing_ranks(None if finite else True, self.group))
+        logger.warning(
+            "non-finite loss or gradient at epoch %d update %d; ranks with a non-finite loss: "
+            "%s: skipping this update on every rank",
+            self.state.epoch,
+            self.state.global_step + 1,
+            culprits,
         )
-        if self.config.on_nonfinite == "raise":
-            raise FloatingPointError(message + " (on_nonfinite='skip' skips such updates)")
-        logger.warning("%s: skipping this update on every rank", message)
 
     def request_stop(self) -> None:
-        """Ask every rank to stop; agreed at the next log step, evaluation or epoch end."""
+        """Ask every rank to stop; agreed at the next log step, evaluation or checkpoint."""
         self.state.stop_requested = True
 
-    def _sync(self, log_loss: bool = False) -> bool:
-        """One all-reduce of (loss, count, stop, SIGTERM); return whether to stop, agreed.
+    def _sync(self, log_loss: bool = False, check_model: bool = False) -> bool:
+        """Agree on stopping, check the losses (and the model): one all-reduce of 5 numbers.
 
-        With ``log_loss`` the mean loss since the last log step becomes ``state.loss`` and is
-        shown; otherwise the loss keeps accumulating.
+        Every rank raises ``FloatingPointError`` if some rank's loss since the last log step
+        was NaN/Inf (``on_nonfinite="raise"``) or, with ``check_model``, some rank's parameters
+        are. With ``log_loss`` the mean loss since the last log step becomes ``state.loss`` and
+        is shown. Returns whether to stop (a request or SIGTERM on any rank), agreed.
         """
         state = self.state
         self.board.publish(step=state.global_step, phase="sync")
-        flags = [0.0, 0.0, float(state.stop_requested), float(self.sigterm.received)]
-        stats = torch.tensor(flags, dtype=torch.float64, device=self.device)
-        stats[0], stats[1] = self.losses.log_loss, self.losses.log_count
-        loss_sum, count, stop, sigterm = all_reduce_sum(stats, self.group).tolist()
+        bad_model = check_model and not all_finite(p.detach() for p in self.model.parameters())
+        flags = [float(state.stop_requested), float(self.sigterm.received), float(bad_model)]
+        stats = torch.cat(
+            [self.losses.pending(), torch.tensor(flags, dtype=torch.float64, device=self.device)]
+        )
+        loss_sum, count, stop, sigterm, bad_models = all_reduce_sum(stats, self.group).tolist()
         self.board.move(phase="train")
+        if bad_models or (self.config.on_nonfinite == "raise" and not math.isfinite(loss_sum)):
+            self._raise_nonfinite(bad_model)
         if log_loss and count:
             state.loss = loss_sum / count
-            self.losses.reset_log()
+            self.losses.reset(state.global_step)
             if self.is_master:
                 lr = self.optimizer.param_groups[0]["lr"]
                 self.progress.log(state.epoch, state.global_step, state.total_steps, state.loss, lr)
         state.stop_requested = stop > 0
         self.preempted = sigterm > 0
-        if state.stop_requested or self.preempted:
+        self.stop_agreed = state.stop_requested or self.preempted
+        if self.stop_agreed:
             why = "SIGTERM received" if self.preempted else "stop requested"
             logger.info("%s; stopping at step %d", why, state.global_step)
-        return state.stop_requested or self.preempted
+        return self.stop_agreed
+
+    def _raise_nonfinite(self, bad_model: bool) -> NoReturn:
+        """Raise on every rank (all are here, agreed), naming who saw what where."""
+        step = self.state.global_step
+        models = failing_ranks(True if bad_model else None, self.group)
+        if models:
+            raise FloatingPointError(
+                f"the model's parameters are NaN/Inf on ranks {list(models)} at update {step}: "
+                "a non-finite gradient was applied (lower the learning rate, clip gradients, "
+                "or use on_nonfinite='skip')"
+            )
+        losses = failing_ranks(self.losses.first_nonfinite(), self.group)
+        rank, (_, where) = min(losses.items(), key=lambda item: item[1][0])
+        raise FloatingPointError(
+            f"non-finite loss by update {step}, first at {where} on rank {rank}; ranks with a "
+            f"non-finite loss: {list(losses)}; on_nonfinite='skip' skips such updates"
+        )
 
     def evaluate(self, data: Dataset | None = None) -> dict[str, float]:
         """Evaluate ``data`` (default ``dev_data``) with ``metrics``; same dict on every rank."""
@@ -615,8 +642,10 @@ class DistTrainer:
             self.board.move(phase="train")
 
     def _validate(self) -> None:
+        """Evaluate the dev data, keep the best model, agree on stop requests it led to."""
         if self.dev_data is None:
             return
+        self._sync(check_model=True)  # a model with NaN/Inf weights is neither scored nor kept
         self.callbacks.on_valid_begin()
         result = self.evaluate(self.dev_data)
         state = self.state
@@ -637,6 +666,13 @@ class DistTrainer:
             " (best so far)" if is_better else "",
         )
         self.callbacks.on_valid_end(result, self.metric_key, is_better)
+        self._sync()  # e.g. early stopping's request, agreed at once
+
+    def _save_checkpoint(self) -> None:
+        """Write a checkpoint (if checkpointing is on) of a model checked to be finite."""
+        if self.checkpointer.dir is not None:
+            self._sync(check_model=True)
+            self.checkpointer.save(self)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs, as tensors and plain data (``weights_only`` loads)."""

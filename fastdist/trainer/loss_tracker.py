@@ -1,7 +1,8 @@
-"""Bookkeeping of the training loss: the current update's and the one since the last log line.
+"""Bookkeeping of the training loss, with no device work per micro-batch and no host reads.
 
-Everything stays on the device (no host sync per micro-batch); values are read only when the
-trainer logs.
+Micro-batch losses are kept as detached tensors in a list (appending costs no device op), summed
+once per update, and the updates' sums are reduced only at a sync point (log step, evaluation,
+checkpoint, end of training): the only places where the trainer reads values.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ from torch import nn
 
 from fastdist.distributed import all_reduce_sum
 
+#: Pending update losses beyond this many are folded into one sum (bounded memory when the
+#: log interval is long); a non-finite loss among them is then located to a range of updates.
+FOLD_AT = 1024
+
 
 class LossTracker:
-    """Sums of losses and their counts, for one update window and since the last log line.
+    """Losses and their counts of the current update and of the updates since the last read.
 
     A loss is either the mean of its micro-batch (count 1; the micro-batch is weighted by its
     share of the update's samples) or a ``(sum, count)`` pair (e.g. summed token losses and
@@ -23,11 +28,15 @@ class LossTracker:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.window_loss = torch.zeros((), device=device)  # of the current update
-        self.window_count = torch.zeros((), device=device)
-        self.log_loss = torch.zeros((), device=device)  # since the last log line
-        self.log_count = torch.zeros((), device=device)
+        self.device = device
         self.counted = False  # the loss returns (sum, count)
+        self.window: list[torch.Tensor] = []  # micro-batch losses of the current update
+        self.window_count: Any = 0  # their counts (an int, or a tensor for (sum, count))
+        self.updates: list[torch.Tensor] = []  # loss of each applied update since the read
+        self.count: Any = 0
+        self.folded: torch.Tensor | None = None  # sum of the first ``n_folded`` of them
+        self.n_folded = 0
+        self.since_step = 0  # the optimizer step the pending updates follow
 
     def add(self, result: Any) -> torch.Tensor:
         """Record one micro-batch's loss function result; return the loss to backpropagate."""
@@ -41,13 +50,19 @@ class LossTracker:
                 f"loss must return a scalar tensor (the mean over the micro-batch) or a (sum, "
                 f"count) pair, got {shape}: reduce it inside the loss, e.g. with .mean()"
             )
-        self.window_loss += loss.detach()
-        self.window_count += count
+        self.window.append(loss.detach())
+        self.window_count = self.window_count + count
         return loss
 
     def weight(self, share: float) -> float:
         """A mean weighs by its micro-batch's ``share`` of the update; a sum waits (below)."""
         return 1.0 if self.counted else share
+
+    def window_loss(self) -> torch.Tensor:
+        """The current update's summed loss, on the device."""
+        if len(self.window) == 1:
+            return self.window[0]
+        return torch.stack(self.window).sum()
 
     def normalize(self, model: nn.Module, world_size: int, group: Any) -> None:
         """Divide the summed gradients of a ``(sum, count)`` loss by the update's global count.
@@ -58,20 +73,51 @@ class LossTracker:
         """
         if not self.counted:
             return
-        total = all_reduce_sum(self.window_count.detach().double().clone(), group)
+        count = torch.as_tensor(self.window_count, device=self.device)
+        total = all_reduce_sum(count.detach().double().clone(), group)
         factor = world_size / total.clamp(min=1)
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(factor.to(p.grad.dtype))
 
     def end_window(self, applied: bool) -> None:
-        """Close the update: its loss counts towards the log only if the update was applied."""
+        """Close the update: its loss counts towards the next read only if it was applied."""
         if applied:
-            self.log_loss += self.window_loss
-            self.log_count += self.window_count
-        self.window_loss.zero_()
-        self.window_count.zero_()
+            self.updates.append(self.window_loss())
+            self.count = self.count + self.window_count
+            if len(self.updates) > FOLD_AT:
+                self.folded = self._sum(self.updates, self.folded)
+                self.n_folded += len(self.updates)
+                self.updates = []
+        self.window, self.window_count = [], 0
 
-    def reset_log(self) -> None:
-        self.log_loss.zero_()
-        self.log_count.zero_()
+    def pending(self) -> torch.Tensor:
+        """``[loss sum, count]`` of the updates since the last reset, float64 on the device."""
+        loss = self._sum(self.updates, self.folded)
+        count = torch.as_tensor(self.count, dtype=torch.float64, device=self.device)
+        return torch.stack([loss, count.reshape(())])
+
+    def first_nonfinite(self) -> tuple[int, str] | None:
+        """The step of the first pending update with a NaN/Inf loss on this rank, and words for
+        it (a range if it was folded); ``None`` if all were finite. Reads the device.
+        """
+        first = self.since_step + 1
+        if self.folded is not None and not torch.isfinite(self.folded):
+            return first, f"one of updates {first}-{first + self.n_folded - 1}"
+        for i, loss in enumerate(self.updates):
+            if not torch.isfinite(loss):
+                step = first + self.n_folded + i
+                return step, f"update {step}"
+        return None
+
+    def reset(self, step: int) -> None:
+        """Forget the pending updates (they were read at optimizer step ``step``)."""
+        self.updates, self.count = [], 0
+        self.folded, self.n_folded = None, 0
+        self.since_step = step
+
+    def _sum(self, losses: list[torch.Tensor], start: torch.Tensor | None) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=self.device) if start is None else start
+        if losses:
+            total = total + torch.stack(losses).double().sum()
+        return total

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -10,20 +11,16 @@ from torch import nn
 from fastdist.distributed import all_gather_object
 
 
-def gradients_finite(model: nn.Module) -> bool:
-    """Whether the (all-reduced, hence identical on every rank) gradients are all finite.
-
-    One host read per update: a NaN/Inf loss on any rank makes the averaged gradients
-    non-finite on every rank, so no collective is needed to agree.
-    """
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)).item())
+def all_finite(tensors: Iterable[torch.Tensor | None]) -> bool:
+    """Whether every value of ``tensors`` (``None`` entries skipped) is finite; one host read."""
+    present = [t for t in tensors if t is not None]
+    return not present or bool(torch.isfinite(torch.nn.utils.get_total_norm(present)).item())
 
 
-def nonfinite_ranks(window_loss: torch.Tensor, group: Any) -> list[int]:
-    """The ranks whose own loss of this update was not finite (one collective)."""
-    finite = bool(torch.isfinite(window_loss).item())
-    return [rank for rank, ok in enumerate(all_gather_object(finite, group)) if not ok]
+def failing_ranks(failure: Any, group: Any) -> dict[int, Any]:
+    """Gather every rank's ``failure`` (``None``: none); the ranks that had one (a collective)."""
+    everyone = all_gather_object(failure, group)
+    return {rank: found for rank, found in enumerate(everyone) if found is not None}
 
 
 def check_in_sync(model: nn.Module, step: int, group: Any) -> None:

@@ -72,6 +72,11 @@ def _edit_weight(trainer: DistTrainer) -> None:
         trainer.model.linear.weight.add_(1.0)
 
 
+def _poison_weight(trainer: DistTrainer) -> None:
+    with torch.no_grad():
+        trainer.model.linear.weight.fill_(float("inf"))
+
+
 def _sleep_on_rank_1(trainer: DistTrainer) -> None:
     if get_rank() == 1:
         time.sleep(4 * TIMEOUT)
@@ -102,6 +107,8 @@ def main(case: str, out: Path) -> None:
         callbacks_master.append(AtStep(2, _edit_weight))
     if case == "timeout":
         callbacks_all.append(AtStep(2, _sleep_on_rank_1))
+    if case == "inf_weight":  # after the last update (8): caught by the check at the end
+        callbacks_all.append(AtStep(8, _poison_weight))
     trainer = DistTrainer(
         data,
         model,
@@ -111,7 +118,7 @@ def main(case: str, out: Path) -> None:
         callbacks_master=callbacks_master,
         batch_size_per_gpu=4,
         n_epochs=1,
-        print_every=1,
+        print_every=4 if case == "nan_raise" else 1,  # the NaN at update 3 is read at 4
         use_tqdm=False,
         timeout=TIMEOUT,
         on_nonfinite="skip" if case == "nan_skip" else "raise",
