@@ -58,6 +58,7 @@ def test_fp16_needs_cuda() -> None:
         ({"ddp_comm_hook": "gzip"}, "ddp_comm_hook must be None, fp16, bf16 or powersgd"),
         ({"ddp_comm_hook": "bf16"}, "ddp_comm_hook='bf16' needs CUDA and NCCL"),
         ({"ddp_comm_hook": "fp16", "average_every": 2}, "choose one"),
+        ({"on_nonfinite": "skip", "average_every": 2}, "on_nonfinite='skip' needs the grad"),
         ({"fp16": True}, "amp='fp16' needs a CUDA device"),
         ({"bucket_cap_mb": 0}, "bucket_cap_mb must be > 0"),
     ],

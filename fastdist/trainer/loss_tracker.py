@@ -1,8 +1,8 @@
-"""Bookkeeping of the training loss, with no device work per micro-batch and no host reads.
+"""Bookkeeping of the training loss: one device op per update and no host reads.
 
-Micro-batch losses are kept as detached tensors in a list (appending costs no device op), summed
-once per update, and the updates' sums are reduced only at a sync point (log step, evaluation,
-checkpoint, end of training): the only places where the trainer reads values.
+Micro-batch losses are kept as detached tensors until their update ends; its loss is then
+copied into a preallocated buffer, and the buffer is reduced only at a sync point (log step,
+evaluation, checkpoint, end of training): the only places where the trainer reads values.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from torch import nn
 
 from fastdist.distributed import all_reduce_sum
 
-#: Pending update losses beyond this many are folded into one sum (bounded memory when the
-#: log interval is long); a non-finite loss among them is then located to a range of updates.
-FOLD_AT = 1024
+#: Updates whose losses the buffer holds; beyond that they are folded into one sum, and a
+#: non-finite loss among them is located to a range of updates.
+BUFFER_SIZE = 1024
 
 
 class LossTracker:
@@ -32,7 +32,10 @@ class LossTracker:
         self.counted = False  # the loss returns (sum, count)
         self.window: list[torch.Tensor] = []  # micro-batch losses of the current update
         self.window_count: Any = 0  # their counts (an int, or a tensor for (sum, count))
-        self.updates: list[torch.Tensor] = []  # loss of each applied update since the read
+        # Losses of the applied updates since the last reset. (Keeping the losses themselves
+        # would pin their small allocations and fragment the heap: +20 KiB per update.)
+        self.buffer = torch.zeros(BUFFER_SIZE, dtype=torch.float64, device=device)
+        self.n_buffered = 0
         self.count: Any = 0
         self.folded: torch.Tensor | None = None  # sum of the first ``n_folded`` of them
         self.n_folded = 0
@@ -83,17 +86,18 @@ class LossTracker:
     def end_window(self, applied: bool) -> None:
         """Close the update: its loss counts towards the next read only if it was applied."""
         if applied:
-            self.updates.append(self.window_loss())
+            if self.n_buffered == BUFFER_SIZE:
+                self.folded = self._buffered_sum()
+                self.n_folded += self.n_buffered
+                self.n_buffered = 0
+            self.buffer[self.n_buffered] = self.window_loss()
+            self.n_buffered += 1
             self.count = self.count + self.window_count
-            if len(self.updates) > FOLD_AT:
-                self.folded = self._sum(self.updates, self.folded)
-                self.n_folded += len(self.updates)
-                self.updates = []
         self.window, self.window_count = [], 0
 
     def pending(self) -> torch.Tensor:
         """``[loss sum, count]`` of the updates since the last reset, float64 on the device."""
-        loss = self._sum(self.updates, self.folded)
+        loss = self._buffered_sum()
         count = torch.as_tensor(self.count, dtype=torch.float64, device=self.device)
         return torch.stack([loss, count.reshape(())])
 
@@ -104,20 +108,18 @@ class LossTracker:
         first = self.since_step + 1
         if self.folded is not None and not torch.isfinite(self.folded):
             return first, f"one of updates {first}-{first + self.n_folded - 1}"
-        for i, loss in enumerate(self.updates):
-            if not torch.isfinite(loss):
-                step = first + self.n_folded + i
-                return step, f"update {step}"
+        finite = torch.isfinite(self.buffer[: self.n_buffered]).tolist()
+        if False in finite:
+            step = first + self.n_folded + finite.index(False)
+            return step, f"update {step}"
         return None
 
     def reset(self, step: int) -> None:
         """Forget the pending updates (they were read at optimizer step ``step``)."""
-        self.updates, self.count = [], 0
+        self.n_buffered, self.count = 0, 0
         self.folded, self.n_folded = None, 0
         self.since_step = step
 
-    def _sum(self, losses: list[torch.Tensor], start: torch.Tensor | None) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64, device=self.device) if start is None else start
-        if losses:
-            total = total + torch.stack(losses).double().sum()
-        return total
+    def _buffered_sum(self) -> torch.Tensor:
+        total = self.buffer[: self.n_buffered].sum()
+        return total if self.folded is None else total + self.folded

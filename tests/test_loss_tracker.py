@@ -1,0 +1,64 @@
+"""In-process unit tests of the loss bookkeeping: sums, counts, folding, locating a NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdist.trainer import loss_tracker
+from fastdist.trainer.loss_tracker import LossTracker
+
+
+def _train(tracker: LossTracker, losses: list[float], update_every: int = 1) -> None:
+    """Feed ``losses`` as micro-batches; every ``update_every`` of them close an update."""
+    for i, value in enumerate(losses, start=1):
+        tracker.add(torch.tensor(value))
+        if i % update_every == 0:
+            tracker.end_window(applied=True)
+
+
+def test_pending_sums_the_applied_updates_only() -> None:
+    tracker = LossTracker(torch.device("cpu"))
+    tracker.reset(step=0)
+    _train(tracker, [1.0, 2.0, 3.0, 4.0], update_every=2)
+    tracker.add(torch.tensor(100.0))
+    tracker.end_window(applied=False)  # a skipped update counts for nothing
+    assert tracker.pending().tolist() == [10.0, 4.0]
+    tracker.reset(step=2)
+    assert tracker.pending().tolist() == [0.0, 0.0]
+
+
+def test_counted_losses_sum_their_counts() -> None:
+    tracker = LossTracker(torch.device("cpu"))
+    tracker.add((torch.tensor(6.0), torch.tensor(3)))
+    tracker.add((torch.tensor(4.0), 2))
+    tracker.end_window(applied=True)
+    assert tracker.pending().tolist() == [10.0, 5.0]
+
+
+def test_a_nonfinite_loss_is_located_exactly_or_within_the_folded_range(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(loss_tracker, "BUFFER_SIZE", 4)
+    losses = [1.0] * 7
+    losses[2] = float("nan")  # update 13: folded with updates 11-14 once update 15 arrives
+    tracker = LossTracker(torch.device("cpu"))
+    tracker.reset(step=10)
+    _train(tracker, losses[:4])
+    assert tracker.first_nonfinite() == (13, "update 13")
+    _train(tracker, losses[4:])
+    assert tracker.first_nonfinite() == (11, "one of updates 11-14")
+    assert torch.isnan(tracker.pending()[0])
+
+    tracker.reset(step=17)
+    losses = [1.0] * 7
+    losses[5] = float("inf")  # update 23, in the buffer after the first fold
+    _train(tracker, losses)
+    assert tracker.first_nonfinite() == (23, "update 23")
+    assert tracker.pending()[1] == 7
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused() -> None:
+    tracker = LossTracker(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"loss must return a scalar tensor .* got \(4,\)"):
+        tracker.add(torch.ones(4))
