@@ -1,8 +1,11 @@
-"""One benchmark run under torchrun: fastdist's ``DistTrainer`` or a hand-written DDP loop.
+"""Benchmark runs under torchrun: fastdist's ``DistTrainer`` and a hand-written DDP loop.
 
-Launched by ``benchmarks/run.py``; rank 0 prints one line ``BENCH_JSON {...}``. Both loops
-train the same model on the same data in the same order (same seeds, same sampler epochs), so
-their final weights agree and the checksum printed by each run is the same.
+Launched by ``benchmarks/run.py`` with ``--runs``, e.g. ``fastdist:0,hand:0,fastdist:10``
+(loop and ``print_every``, 0: more than all updates): the runs follow one another in the same
+processes and process group, so they share the cores, the placement and the connections that
+make separate launches differ by several percent here. After each run rank 0 prints one line
+``BENCH_JSON {...}``. Both loops train the same model on the same data in the same order (same
+seeds, same sampler epochs), so their final weights agree and the checksums are the same.
 
 Timing covers the steady state: from the end of optimizer update ``warmup`` to the end of
 training (after the last epoch), on every rank; the reported time is the maximum over ranks.
@@ -11,6 +14,7 @@ Process start-up, the process group, DDP construction and the warm-up updates ar
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import resource
@@ -131,9 +135,6 @@ def run_hand(
 ) -> Timing:
     """The hand-written DDP loop: DistributedSampler, DataLoader, DDP, no_sync accumulation."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = backend == "nccl"
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -223,37 +224,51 @@ def checksum(model: nn.Module) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--loop", choices=("fastdist", "hand"), required=True)
+    parser.add_argument(
+        "--runs", required=True, help="comma-separated LOOP:PRINT_EVERY, LOOP fastdist or hand"
+    )
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     parser.add_argument("--steps", type=int, default=None, help="timed optimizer updates")
-    parser.add_argument("--print-every", type=int, default=0, help="0: more than all updates")
     parser.add_argument(
         "--profile", default=None, help="write a cProfile of every rank to PROFILE.rank<N>"
     )
     args = parser.parse_args()
+    runs = [(loop, int(every)) for loop, every in (r.split(":") for r in args.runs.split(","))]
+    if any(loop not in ("fastdist", "hand") for loop, _ in runs):
+        parser.error(f"--runs: each loop must be fastdist or hand, got {args.runs!r}")
+    if args.backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # One group for every run (fastdist uses the group it finds); also with one process.
+    dist.init_process_group(backend=args.backend)
+    install_all_reduce_counter()
+    profiler = None
     if args.profile:
         import cProfile
 
         profiler = cProfile.Profile()
-        profiler.runcall(run, args)
-        profiler.dump_stats(f"{args.profile}.rank{os.environ.get('RANK', '0')}")
-    else:
-        run(args)
+        profiler.enable()
+    for loop, print_every in runs:
+        run(args, loop, print_every)
+        gc.collect()  # free this run's DDP module (trainer and callbacks form cycles)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(f"{args.profile}.rank{dist.get_rank()}")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
-def run(args: argparse.Namespace) -> None:
-    """Build the workload, train it with the chosen loop and report from rank 0."""
+def run(args: argparse.Namespace, loop: str, print_every: int) -> None:
+    """Build the workload, train it with ``loop`` and report from rank 0."""
     wl = WORKLOADS[args.workload]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = dist.get_world_size()
     epochs, per_epoch, size = plan(wl, world, args.steps)
     total = epochs * per_epoch
     data = build_data(wl, size)
     model = build_model(wl)
     optimizer = build_optimizer(model)
-    install_all_reduce_counter()
-    print_every = args.print_every or total + 1
-    if args.loop == "hand":
+    print_every = print_every or total + 1
+    if loop == "hand":
         timing = run_hand(wl, data, model, optimizer, epochs, args.backend)
     else:
         timing = run_fastdist(wl, data, model, optimizer, epochs, args.backend, print_every)
@@ -266,19 +281,16 @@ def run(args: argparse.Namespace) -> None:
         "thread_cpu": timing.thread1 - timing.thread0,
         "rss_mib": rss_mib,
     }
-    grouped = dist.is_initialized()  # fastdist makes no group for a world of one
-    gathered: list[Any] = [mine]
-    if grouped:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
     timed_updates = total - wl.warmup
     samples = timed_updates * wl.batch_size * wl.update_every * world
     elapsed = max(g["elapsed"] for g in gathered)
     comm0, comm1 = timing.comm0 or {}, timing.comm1 or {}
     per_update = {k: (comm1[k] - comm0[k]) / timed_updates for k in comm1}
     result = {
-        "loop": args.loop,
-        "print_every": print_every if args.loop == "fastdist" else None,
+        "loop": loop,
+        "print_every": print_every if loop == "fastdist" else None,
         "workload": wl.name,
         "backend": args.backend,
         "nproc": world,
@@ -291,18 +303,13 @@ def run(args: argparse.Namespace) -> None:
         "cpu_s_ranks": [g["cpu"] for g in gathered],
         "main_thread_cpu_s_ranks": [g["thread_cpu"] for g in gathered],
         "samples_per_cpu_s": samples / sum(g["cpu"] for g in gathered),
-        "rss_mib_max": max(g["rss_mib"] for g in gathered),
+        "rss_mib_max": max(g["rss_mib"] for g in gathered),  # of the process so far
         "rss_mib_ranks": [g["rss_mib"] for g in gathered],
         "comm_per_update": per_update if wl.count_comm else None,
-        "explicit_all_reduce_total": COUNTER.explicit_calls,
         "checksum": checksum(model),
     }
-    if not grouped or dist.get_rank() == 0:
+    if dist.get_rank() == 0:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
-    if args.loop == "hand":
-        dist.barrier()
-        dist.destroy_process_group()
-    # fastdist destroys its own group at exit (after a barrier).
 
 
 if __name__ == "__main__":
