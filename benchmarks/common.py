@@ -12,6 +12,16 @@ from typing import Any
 from fastdist.distributed.env import TORCHRUN_VARS
 
 
+def busy_jiffies() -> int:
+    """Non-idle CPU time of the whole machine so far, in clock ticks (``/proc/stat``)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0
+    return sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

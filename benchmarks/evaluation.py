@@ -23,7 +23,7 @@ import os
 import statistics
 import time
 
-from common import child_env, run_job
+from common import busy_jiffies, child_env, run_job
 
 WORKER_ENV = "FASTDIST_EVAL_BENCH_WORKER"
 RESULT_PREFIX = "EVAL_BENCH_RESULT "
@@ -37,13 +37,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for the job")
     return parser.parse_args()
-
-
-def busy_jiffies() -> int:
-    """Non-idle CPU time of the whole machine so far, in clock ticks (``/proc/stat``)."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    return sum(fields) - fields[3] - fields[4]
 
 
 # ----------------------------------------------------------------------------- worker

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import child_env, torchrun_command
+from common import busy_jiffies, child_env, torchrun_command
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -57,16 +57,6 @@ VARIANTS = (
     Variant("hand", "hand", 0),
     Variant("fastdist print_every=10", "fastdist", 10),
 )
-
-
-def busy_jiffies() -> int:
-    """Non-idle CPU time of the whole machine so far, in clock ticks (``/proc/stat``)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except OSError:
-        return 0
-    return sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)
 
 
 def wait_idle(max_wait: float, threshold: float = 0.2, sample: float = 0.5) -> float:
