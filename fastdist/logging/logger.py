@@ -39,11 +39,15 @@ class _RankFilter(logging.Filter):
 
 
 class _TqdmHandler(logging.Handler):
-    """Write to the current ``sys.stderr`` through ``tqdm.write``, so a bar is not torn."""
+    """Write to the current ``sys.stderr`` through ``tqdm.write``, so a bar is not torn.
+
+    The line and its newline go out in one write: ranks share torchrun's stderr, and a
+    separate newline let another rank's line land in the middle of this one.
+    """
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            tqdm.write(self.format(record), file=sys.stderr)
+            tqdm.write(self.format(record) + "\n", file=sys.stderr, end="")
         except Exception:
             self.handleError(record)
 
