@@ -3,15 +3,16 @@
 Run on demand (never in CI), from the repository root with the project's venv active::
 
     python benchmarks/run.py [--workload {tiny,medium,accumulation,all}] [--nproc N]
-                             [--repeats R] [--steps S]
+                             [--repeats R] [--rounds K] [--steps S]
 
 Every case is launched with torchrun on 127.0.0.1 (gloo on CPU, and nccl as well when CUDA is
 available), ``OMP_NUM_THREADS=1`` per process. Every repeat is one launch whose processes run
-the loops one after another (fastdist, hand, fastdist with ``print_every=10``; each repeat
-starts with the next one), so the loops share cores, placement and connections and slow
-drifts of the machine hit them alike. Then each loop runs alone in its own launch, for its
-peak memory. Medians over the repeats are reported, with the fastdist/hand ratio of samples/s;
-see ``docs/benchmarks.rst`` for what is timed and the measured results.
+``--rounds`` rounds of the loops one after another (fastdist, hand, fastdist with
+``print_every=10``; each round starts with the next one), so the loops share cores, placement
+and connections and slow drifts of the machine hit them alike. Then each loop runs alone in
+its own launch, for its peak memory. Medians over the runs are reported, with the
+fastdist/hand ratio of samples/s within each round; see ``docs/benchmarks.rst`` for what is
+timed and the measured results.
 """
 
 from __future__ import annotations
@@ -257,8 +258,8 @@ def summarize(results: list[dict[str, Any]], max_foreign: float) -> list[dict[st
 
     Throughput, CPU and communication come from the shared launches (runs disturbed by other
     processes, over ``max_foreign`` cores, are left out when at least 3 remain); the paired
-    ratio is the median over launches of fastdist/hand within one launch. Peak RSS comes from
-    the launches where the loop ran alone.
+    ratio is the median over rounds of fastdist/hand within one round (consecutive runs in
+    the same processes). Peak RSS comes from the launches where the loop ran alone.
     """
     rows = []
     groups: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
@@ -266,7 +267,7 @@ def summarize(results: list[dict[str, Any]], max_foreign: float) -> list[dict[st
         groups.setdefault((r["backend"], r["workload"]), {}).setdefault(r["variant"], []).append(r)
     for (backend, workload), by_variant in groups.items():
         hand = quiet([r for r in by_variant.get("hand", []) if not r["solo"]], max_foreign)
-        hand_by_launch = {h["repeat"]: h for h in hand}
+        hand_by_round = {tuple(h["round"]): h for h in hand}
         hand_alone = [r for r in by_variant.get("hand", []) if r["solo"]]
         for variant in VARIANTS:
             shared = [r for r in by_variant.get(variant.label, []) if not r["solo"]]
@@ -294,9 +295,9 @@ def summarize(results: list[dict[str, Any]], max_foreign: float) -> list[dict[st
             if hand:
                 row["ratio"] = row["samples_per_s"] / median_of(hand, "samples_per_s")
                 pairs = [
-                    r["samples_per_s"] / hand_by_launch[r["repeat"]]["samples_per_s"]
+                    r["samples_per_s"] / hand_by_round[tuple(r["round"])]["samples_per_s"]
                     for r in runs
-                    if r["repeat"] in hand_by_launch
+                    if tuple(r["round"]) in hand_by_round
                 ]
                 row["paired_ratio"] = statistics.median(pairs) if pairs else 0.0
                 row["pairs"] = len(pairs)
@@ -434,7 +435,10 @@ def main() -> None:
     )
     parser.add_argument("--workload", choices=(*WORKLOAD_NAMES, "all"), default="all")
     parser.add_argument("--nproc", type=int, default=2, help="processes per case (default 2)")
-    parser.add_argument("--repeats", type=int, default=5, help="runs of every loop (default 5)")
+    parser.add_argument("--repeats", type=int, default=5, help="launches per workload (default 5)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="runs of every loop per launch (default 3)"
+    )
     parser.add_argument(
         "--steps",
         type=int,
@@ -468,14 +472,14 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, default=None, help="also write all raw results here")
     args = parser.parse_args()
-    if args.nproc < 1 or args.repeats < 1 or (args.steps is not None and args.steps < 1):
-        parser.error("--nproc, --repeats and --steps must be >= 1")
+    if min(args.nproc, args.repeats, args.rounds, args.steps or 1) < 1:
+        parser.error("--nproc, --repeats, --rounds and --steps must be >= 1")
 
     info = machine_info(args.nproc)
     print(
         f"# {info['date']}  {info['cpu']} ({info['cores']} cores)  torch {info['torch']}  "
         f"python {info['python']}  git {info['git']}  nproc {args.nproc}  "
-        f"repeats {args.repeats}",
+        f"repeats {args.repeats} x rounds {args.rounds}",
         flush=True,
     )
     backends = ["gloo"] + (["nccl"] if info["cuda"] else [])
@@ -495,15 +499,16 @@ def main() -> None:
     n = len(VARIANTS)
     for backend in backends:
         for workload in workloads:
-            jobs = [
-                (f"rep {rep + 1}/{args.repeats}", [*VARIANTS[rep % n :], *VARIANTS[: rep % n]])
-                for rep in range(args.repeats)
-            ]
+            jobs = []
+            for rep in range(args.repeats):  # every round starts with the next loop
+                rounds = range(rep * args.rounds, (rep + 1) * args.rounds)
+                order = [VARIANTS[(k + i) % n] for k in rounds for i in range(n)]
+                jobs.append((f"rep {rep + 1}/{args.repeats}", order))
             jobs += [("alone", [variant]) for variant in VARIANTS]  # peak memory of each loop
             for rep, (label, variants) in enumerate(jobs):
                 runs = measure(workload, backend, variants, args, failures)
-                for r in runs:
-                    r["repeat"] = rep
+                for i, r in enumerate(runs):
+                    r["repeat"], r["round"] = rep, (rep, i // n)
                     print(
                         f"  {workload:<13}{backend:<6}{label:<9} {r['variant']:<25}"
                         f"{r['samples_per_s']:>10.0f} samples/s ({r['elapsed_s']:.2f} s timed, "
@@ -518,7 +523,8 @@ def main() -> None:
     print()
     rows = summarize(results, args.max_foreign)
     print(
-        f"results: {args.nproc} processes, medians over the runs (of {args.repeats}) during "
+        f"results: {args.nproc} processes, medians over the runs (of {args.repeats * args.rounds}) "
+        "during "
         f"which other processes used <= {args.max_foreign} cores (all runs if fewer than 3)"
     )
     print_results(rows)
