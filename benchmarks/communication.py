@@ -9,12 +9,12 @@ another. For each it reports the all-reduce calls and bytes per optimizer update
 the ranks during training (gradients or parameters), the final training loss and dev
 accuracy (fastdist's sharded evaluation after training) and the training time.
 
-Counting: plain all-reduce goes through a DDP hook that counts its bucket and then calls
-torch's default hook; the other options are torch's own hooks and ``average_parameters``,
-which call ``torch.distributed.all_reduce``, wrapped here to count tensors reduced over more
-than one rank (post-local SGD's per-rank subgroups carry nothing). Counting runs from
-``on_train_begin`` to ``on_train_end``; the loop makes no all-reduce of its own in between
-(``print_every`` exceeds the updates, no dev data while training).
+Counting, with ``worker.py``'s counters: plain all-reduce goes through a DDP hook that counts
+its bucket and then calls torch's default hook; the other options are torch's own hooks and
+``average_parameters``, which call ``torch.distributed.all_reduce``, wrapped to count tensors
+reduced over more than one rank (post-local SGD's per-rank subgroups carry nothing).
+Counting runs from ``on_train_begin`` to ``on_train_end``; the loop makes no all-reduce of
+its own in between (``print_every`` exceeds the updates, no dev data while training).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any
 
 from common import child_env, run_job
 
@@ -47,12 +46,11 @@ def parse_args() -> argparse.Namespace:
 def worker(args: argparse.Namespace) -> None:
     """Every rank: train with each option in turn; rank 0 prints one JSON line."""
     import torch
-    import torch.distributed as dist
     from sklearn.datasets import load_digits
     from torch import nn
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import TensorDataset
+    from worker import COUNTER, counting_hook, install_all_reduce_counter
 
     from fastdist import AccuracyMetric, DistTrainer, LossMetric, get_rank
     from fastdist.callbacks import Callback
@@ -65,56 +63,42 @@ def worker(args: argparse.Namespace) -> None:
     train = TensorDataset(x[order[300:]], y[order[300:]])
     dev = TensorDataset(x[order[:300]], y[order[:300]])
 
-    counts = {"calls": 0, "bytes": 0, "on": False}
-    real_all_reduce = dist.all_reduce
-
-    def count(tensor: torch.Tensor) -> None:
-        if counts["on"]:
-            counts["calls"] += 1
-            counts["bytes"] += tensor.numel() * tensor.element_size()
-
-    def all_reduce(tensor: torch.Tensor, *a: Any, **kw: Any) -> Any:
-        group = kw.get("group", a[1] if len(a) > 1 else None)
-        if dist.get_world_size(group) > 1:
-            count(tensor)
-        return real_all_reduce(tensor, *a, **kw)
-
-    dist.all_reduce = all_reduce  # type: ignore[assignment]
-
-    # No annotations: DDP checks a hook's annotations and rejects strings.
-    def counting_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
-        count(bucket.buffer())
-        counts["on"] = False  # the default hook's own dist.all_reduce is this bucket
-        try:
-            return default_hooks.allreduce_hook(state, bucket)
-        finally:
-            counts["on"] = True
+    install_all_reduce_counter()
 
     class Counting(Callback):
-        """Counts between on_train_begin and on_train_end; plain DDP gets the counting hook."""
+        """Snapshots the counters at on_train_begin and on_train_end; plain DDP gets the
+        counting hook (torch's default all-reduce hook, counted)."""
 
         def __init__(self, plain: bool) -> None:
             self.plain = plain
+            self.begin: dict[str, int] = {}
+            self.end: dict[str, int] = {}
 
         def on_train_begin(self) -> None:
             ddp = self.trainer.ddp_model
             if self.plain and isinstance(ddp, DistributedDataParallel):
-                ddp.register_comm_hook(None, counting_allreduce_hook)
-            counts.update(calls=0, bytes=0, on=True)
+                ddp.register_comm_hook(None, counting_hook)
+            self.begin = COUNTER.snapshot()
 
         def on_train_end(self) -> None:
-            counts["on"] = False
+            self.end = COUNTER.snapshot()
+
+        def per_update(self, what: str, steps: int) -> float:
+            """DDP buckets plus explicit all-reduces during training, per update."""
+            kinds = (f"ddp_{what}", f"explicit_{what}")
+            return sum(self.end[k] - self.begin[k] for k in kinds) / steps
 
     results = {}
     for option in OPTIONS:
         torch.manual_seed(1234)
         model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+        counting = Counting(plain=option == "plain")
         trainer = DistTrainer(
             train,
             model,
             torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
             loss=nn.CrossEntropyLoss(),
-            callbacks_all=[Counting(plain=option == "plain")],
+            callbacks_all=[counting],
             batch_size_per_gpu=args.batch_size,
             n_epochs=args.epochs,
             print_every=10**9,
@@ -128,8 +112,8 @@ def worker(args: argparse.Namespace) -> None:
         out = trainer.train()
         steps = out["steps"]
         results[option] = {
-            "calls_per_update": counts["calls"] / steps,
-            "bytes_per_update": counts["bytes"] / steps,
+            "calls_per_update": counting.per_update("calls", steps),
+            "bytes_per_update": counting.per_update("bytes", steps),
             "train_loss": trainer.evaluate(train)["loss"],
             "dev_acc": trainer.evaluate(dev)["acc"],
             "seconds": out["seconds"],

@@ -78,11 +78,16 @@ def counting_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[t
 
 
 def install_all_reduce_counter() -> None:
-    """Wrap ``torch.distributed.all_reduce`` to count explicit (non-DDP) all-reduces."""
+    """Wrap ``torch.distributed.all_reduce`` to count explicit (non-DDP) all-reduces.
+
+    An all-reduce over a group of one rank (post-local SGD's per-rank subgroups) sends nothing
+    and is not counted.
+    """
     original = dist.all_reduce
 
     def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if not COUNTER.in_hook:
+        group = kwargs.get("group", args[1] if len(args) > 1 else None)
+        if not COUNTER.in_hook and dist.get_world_size(group) > 1:
             COUNTER.explicit_calls += 1
             COUNTER.explicit_bytes += tensor.numel() * tensor.element_size()
         return original(tensor, *args, **kwargs)
