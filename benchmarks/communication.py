@@ -75,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
             self.end: dict[str, int] = {}
 
         def on_train_begin(self) -> None:
-            ddp = self.trainer.ddp_model
+            ddp = self.trainer.strategy.module
             if self.plain and isinstance(ddp, DistributedDataParallel):
                 ddp.register_comm_hook(None, counting_hook)
             self.begin = COUNTER.snapshot()

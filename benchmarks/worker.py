@@ -192,7 +192,7 @@ def run_fastdist(
 
         def on_train_begin(self) -> None:
             self.sync = make_sync(self.trainer.device)
-            ddp_model = self.trainer.ddp_model
+            ddp_model = self.trainer.strategy.module
             if wl.count_comm and isinstance(ddp_model, DistributedDataParallel):
                 ddp_model.register_comm_hook(None, counting_hook)
 

@@ -52,3 +52,50 @@ class Checkpointer:
             return None if self.dir is None else self.dir.load_latest()
         path = os.fspath(resume)  # type: ignore[arg-type]
         return load_checkpoint(path), path
+
+
+def trainer_state_dict(trainer: DistTrainer) -> dict[str, Any]:
+    """Everything a resumed run needs: a dict of the state dicts of every stateful part."""
+    model, optimizer = trainer.strategy.training_state_dict(trainer.model, trainer.optimizer)
+    return {
+        "format": 1,
+        "model": model,
+        "optimizer": optimizer,
+        "callbacks_all": [cb.state_dict() for cb in trainer.callbacks_all],
+        "callbacks_master": [cb.state_dict() for cb in trainer.callbacks_master],
+        "trainer": trainer.state.state_dict(),
+        "precision": trainer.precision.state_dict(),
+        "ddp": trainer.strategy.state_dict(),
+        "best_model_path": trainer.best.path,
+        "world_size": trainer.world_size,
+        "seed": trainer.config.seed,
+    }
+
+
+def load_trainer_state_dict(trainer: DistTrainer, checkpoint: dict[str, Any]) -> None:
+    """Restore what :func:`trainer_state_dict` returned (plus the checkpoint's ``rng`` list)."""
+    trainer.strategy.load_training_state_dict(
+        trainer.model, trainer.optimizer, checkpoint["model"], checkpoint["optimizer"]
+    )
+    callbacks = [*zip(trainer.callbacks_all, checkpoint["callbacks_all"], strict=True)]
+    if trainer.is_master:  # callbacks_master run (and were saved) on rank 0 only
+        callbacks += zip(trainer.callbacks_master, checkpoint["callbacks_master"], strict=True)
+    for cb, cb_state in callbacks:
+        cb.load_state_dict(cb_state)
+    state = trainer.state
+    state.load_state_dict(checkpoint["trainer"])
+    state.n_epochs = trainer.config.n_epochs
+    trainer.precision.load_state_dict(checkpoint["precision"])
+    trainer.strategy.load_state_dict(checkpoint["ddp"])
+    trainer.best.path = checkpoint["best_model_path"]
+    rngs = checkpoint.get("rng", [])
+    trainer._resume_rng = rngs[trainer.rank] if trainer.rank < len(rngs) else None
+    if checkpoint["world_size"] != trainer.world_size:
+        cfg = trainer.config
+        logger.warning(
+            "resuming a %d-process run on %d processes: the rest of the epoch is sharded "
+            "anew; global batch now %d",
+            checkpoint["world_size"],
+            trainer.world_size,
+            cfg.batch_size_per_gpu * trainer.world_size * cfg.update_every,
+        )

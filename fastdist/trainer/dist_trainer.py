@@ -14,7 +14,6 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from fastdist.callbacks.callback import Callback, CallbackList
@@ -22,7 +21,6 @@ from fastdist.callbacks.json_log import JSONLogCallback
 from fastdist.distributed import (
     all_reduce_sum,
     broadcast_object,
-    broadcast_tensors,
     get_rank,
     get_world_size,
     init_distributed,
@@ -33,13 +31,17 @@ from fastdist.distributed.position import PositionBoard
 from fastdist.distributed.storage import check_shared_dirs
 from fastdist.logging import logger
 from fastdist.losses import as_loss_fn
+from fastdist.strategies import make_strategy
 from fastdist.trainer import validation
 from fastdist.trainer.batch import make_forward, to_device, window_weights
 from fastdist.trainer.best_model import BestModel
 from fastdist.trainer.checkpoint import set_rng_state
-from fastdist.trainer.checkpointer import Checkpointer
+from fastdist.trainer.checkpointer import (
+    Checkpointer,
+    load_trainer_state_dict,
+    trainer_state_dict,
+)
 from fastdist.trainer.config import TrainerConfig
-from fastdist.trainer.ddp import DDPWrapper
 from fastdist.trainer.evaluator import Evaluator
 from fastdist.trainer.failure import install_excepthook, report_failure
 from fastdist.trainer.loss_tracker import LossTracker
@@ -230,7 +232,7 @@ class DistTrainer:
         if ddp_comm_hook == "bf16" and self.device.type != "cuda":
             raise ValueError("ddp_comm_hook='bf16' needs CUDA and NCCL; use 'fp16' with gloo")
 
-        # 2. Process group, model placement and DDP.
+        # 2. Process group, model placement and the strategy's wrapping.
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if get_world_size() > 1:
             init_distributed(backend=backend)
@@ -246,21 +248,17 @@ class DistTrainer:
         self.forward = make_forward(self.model)  # from the signature, before compiling
         if compile:
             self.model.compile()
-        self.optimizer = optimizer
-        self.ddp: DDPWrapper | None = None
-        self.ddp_model: nn.Module = self.model
-        if is_distributed():
-            ddp_options: dict[str, Any] = {
-                "find_unused_parameters": find_unused_parameters,
-                "static_graph": static_graph,
-                "gradient_as_bucket_view": gradient_as_bucket_view,
-            }
-            if bucket_cap_mb is not None:
-                ddp_options["bucket_cap_mb"] = bucket_cap_mb
-            self.ddp = DDPWrapper(
-                self.model, self.device, self.group, ddp_comm_hook, average_every, **ddp_options
-            )
-            self.ddp_model = self.ddp.module
+        self.strategy = make_strategy(
+            self.device,
+            self.group,
+            ddp_comm_hook=ddp_comm_hook,
+            average_every=average_every,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        self.optimizer = self.strategy.wrap(self.model, optimizer)
 
         # 3. Data, evaluation, callbacks, checkpoints and state.
         self.train_data, self.dev_data = train_data, dev_data
@@ -411,9 +409,9 @@ class DistTrainer:
                 batch = to_device(batch, self.device)
                 callbacks.on_batch_begin(batch)
                 # Only the last micro-batch of a window all-reduces gradients.
-                with contextlib.nullcontext() if state.is_update else self._no_sync():
+                with contextlib.nullcontext() if state.is_update else self.strategy.no_sync():
                     with self.precision.autocast():
-                        output = self.forward(self.ddp_model, batch)
+                        output = self.forward(self.strategy.module, batch)
                         callbacks.on_loss_begin(batch, output)
                         loss = self.losses.add(self.loss_fn(output, batch))
                     callbacks.on_backward_begin(loss)
@@ -498,11 +496,6 @@ class DistTrainer:
         n = batch_idx + 1
         return n % self.config.update_every == 0 or n == len(self.weights)
 
-    def _no_sync(self) -> contextlib.AbstractContextManager:
-        if isinstance(self.ddp_model, DistributedDataParallel):
-            return self.ddp_model.no_sync()
-        return contextlib.nullcontext()
-
     def _optimizer_step(self) -> bool:
         """Step, unless the gradients are non-finite or fp16 overflowed; say whether it did."""
         state, cfg = self.state, self.config
@@ -521,8 +514,7 @@ class DistTrainer:
         state.global_step += 1
         global_batch = cfg.batch_size_per_gpu * self.world_size
         state.samples_in_epoch = self._epoch_start + (state.batch_idx + 1) * global_batch
-        if self.ddp is not None:
-            self.ddp.after_step(self.model, state.global_step)  # local SGD's averaging
+        self.strategy.after_step(self.model, state.global_step)  # e.g. local SGD's averaging
         self.progress.update()
         if cfg.check_sync_every and state.global_step % cfg.check_sync_every == 0:
             check_in_sync(self.model, state.global_step, self.group)
@@ -602,8 +594,7 @@ class DistTrainer:
         self.board.publish(phase="evaluate")
         # Each rank's forward updated its own running statistics (batch norm); evaluate all
         # shards with rank 0's, the buffers DDP would broadcast before the next forward.
-        with torch.no_grad():
-            broadcast_tensors(self.model.buffers(), group=self.group)
+        self.strategy.broadcast_buffers(self.model)
         result = self.evaluator.evaluate(data)
         self.board.move(phase="train")
         return result
@@ -624,8 +615,7 @@ class DistTrainer:
             >>> preds = trainer.predict(test_data)  # a list on rank 0, None elsewhere
         """
         self.board.publish(phase="predict")
-        with torch.no_grad():  # every shard with rank 0's buffers, as evaluate() does
-            broadcast_tensors(self.model.buffers(), group=self.group)
+        self.strategy.broadcast_buffers(self.model)  # as evaluate() does
         kwargs.setdefault("collate_fn", self.evaluator.collate_fn)
         kwargs.setdefault("num_workers", self.config.num_workers)
         try:
@@ -676,48 +666,11 @@ class DistTrainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs, as tensors and plain data (``weights_only`` loads)."""
-        return {
-            "format": 1,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "callbacks_all": [cb.state_dict() for cb in self.callbacks_all],
-            "callbacks_master": [cb.state_dict() for cb in self.callbacks_master],
-            "trainer": self.state.state_dict(),
-            "precision": self.precision.state_dict(),
-            "ddp": {} if self.ddp is None else self.ddp.state_dict(),
-            "best_model_path": self.best.path,
-            "world_size": self.world_size,
-            "seed": self.config.seed,
-        }
+        return trainer_state_dict(self)
 
     def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (plus the ``rng`` list a checkpoint carries)."""
-        self.model.load_state_dict(checkpoint["model"])
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
-        for cb, cb_state in zip(self.callbacks_all, checkpoint["callbacks_all"], strict=True):
-            cb.load_state_dict(cb_state)
-        if self.is_master:
-            for cb, cb_state in zip(
-                self.callbacks_master, checkpoint["callbacks_master"], strict=True
-            ):
-                cb.load_state_dict(cb_state)
-        self.state.load_state_dict(checkpoint["trainer"])
-        self.precision.load_state_dict(checkpoint["precision"])
-        if self.ddp is not None:
-            self.ddp.load_state_dict(checkpoint["ddp"])
-        self.state.n_epochs = self.config.n_epochs
-        self.best.path = checkpoint["best_model_path"]
-        rngs = checkpoint.get("rng", [])
-        self._resume_rng = rngs[self.rank] if self.rank < len(rngs) else None
-        if checkpoint["world_size"] != self.world_size:
-            cfg = self.config
-            logger.warning(
-                "resuming a %d-process run on %d processes: the rest of the epoch is sharded "
-                "anew; global batch now %d",
-                checkpoint["world_size"],
-                self.world_size,
-                cfg.batch_size_per_gpu * self.world_size * cfg.update_every,
-            )
+        load_trainer_state_dict(self, checkpoint)
 
     def _where(self) -> PositionBoard:
         """The board with this rank's precise position filled in (for failure reports)."""

@@ -206,7 +206,7 @@ class CommCounter(Callback):
             self._epoch_end_mark = None
 
     def on_train_begin(self) -> None:
-        ddp = self.trainer.ddp_model
+        ddp = self.trainer.strategy.module
         if isinstance(ddp, DistributedDataParallel):
             ddp.register_comm_hook(state=None, hook=self._hook)
             self.has_ddp = True

@@ -1,7 +1,8 @@
-"""Wrapping the model in DDP, with torch's communication hooks and periodic model averaging."""
+"""The DDP strategy: torch's DistributedDataParallel, communication hooks, post-local SGD."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -15,15 +16,16 @@ from torch.distributed.algorithms.ddp_comm_hooks import (
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 from torch.nn.parallel import DistributedDataParallel
 
+from fastdist.strategies.base import Strategy
 from fastdist.trainer.checkpoint import decode_numpy_state, encode_numpy_state
 
-COMM_HOOKS = ("fp16", "bf16", "powersgd")
 
-
-class DDPWrapper:
-    """Builds the DDP module and owns what is attached to it (hook state, averaging period).
+class DDPStrategy(Strategy):
+    """Every rank holds the whole model; DDP all-reduces the gradients of each update.
 
     Args:
+        device: this rank's device.
+        group: the process group of the gradient all-reduce.
         comm_hook: ``None`` (plain all-reduce), ``"fp16"``/``"bf16"`` (gradients compressed to
             half precision for the all-reduce) or ``"powersgd"`` (low-rank compression, rank 1,
             after 10 plain updates; its error-feedback state is checkpointed).
@@ -31,43 +33,56 @@ class DDPWrapper:
             all-reduce, each rank steps on its own gradients and the parameters are averaged
             (torch's ``average_parameters``) after every update whose number is a multiple of
             ``average_every``. ``0``: off.
+        ddp_options: passed to ``DistributedDataParallel`` (``find_unused_parameters``,
+            ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``).
     """
+
+    name = "ddp"
 
     def __init__(
         self,
-        model: nn.Module,
         device: torch.device,
-        group: Any,
+        group: Any = None,
         comm_hook: str | None = None,
         average_every: int = 0,
         **ddp_options: Any,
     ) -> None:
-        self.module = DistributedDataParallel(
+        super().__init__(device, group)
+        self.comm_hook = comm_hook
+        self.average_every = average_every
+        self.ddp_options = ddp_options
+        self.hook_state: Any = None
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        device, group = self.device, self.group
+        self.module = ddp = DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             process_group=group,
-            **ddp_options,
+            **self.ddp_options,
         )
-        self.hook_state: Any = None
-        self.group = group
-        self.average_every = average_every
-        if comm_hook in ("fp16", "bf16"):
+        if self.comm_hook in ("fp16", "bf16"):
             hook = default_hooks.fp16_compress_hook
-            if comm_hook == "bf16":
+            if self.comm_hook == "bf16":
                 hook = default_hooks.bf16_compress_hook
-            self.module.register_comm_hook(group, hook)
-        elif comm_hook == "powersgd":
+            ddp.register_comm_hook(group, hook)
+        elif self.comm_hook == "powersgd":
             self.hook_state = powerSGD_hook.PowerSGDState(
                 process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=10
             )
-            self.module.register_comm_hook(self.hook_state, powerSGD_hook.powerSGD_hook)
-        if average_every:
+            ddp.register_comm_hook(self.hook_state, powerSGD_hook.powerSGD_hook)
+        if self.average_every:
             # Each rank its own subgroup: after the warm-up no gradient is all-reduced at all.
             subgroup, _ = dist.new_subgroups(group_size=1)
             self.hook_state = post_localSGD_hook.PostLocalSGDState(
-                process_group=group, subgroup=subgroup, start_localSGD_iter=average_every
+                process_group=group, subgroup=subgroup, start_localSGD_iter=self.average_every
             )
-            self.module.register_comm_hook(self.hook_state, post_localSGD_hook.post_localSGD_hook)
+            ddp.register_comm_hook(self.hook_state, post_localSGD_hook.post_localSGD_hook)
+        return optimizer
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        assert isinstance(self.module, DistributedDataParallel)
+        return self.module.no_sync()
 
     def after_step(self, model: nn.Module, step: int) -> None:
         """After update ``step``: average the parameters if the local-SGD period ends here."""
