@@ -27,6 +27,12 @@ EXPECTED = {
     "empty_train_data": ("ValueError", ["train_data", "empty"]),
     "unknown_keyword": ("TypeError", ["batch_size"]),
     "too_few_samples_for_drop_last": ("ValueError", ["batch_size_per_gpu", "drop_last"]),
+    "unknown_strategy": ("ValueError", ["strategy", "deepspeed", "'fsdp'"]),
+    "fsdp_with_comm_hook": ("ValueError", ["ddp_comm_hook", "strategy='fsdp'"]),
+    "fsdp_with_average_every": ("ValueError", ["average_every", "strategy='fsdp'"]),
+    "fsdp_wrap_absent": ("ValueError", ["fsdp_wrap", "Conv2d"]),
+    "fsdp_wrap_without_fsdp": ("ValueError", ["fsdp_wrap", "strategy='fsdp'"]),
+    "cpu_offload_on_cpu": ("ValueError", ["cpu_offload", "CPU"]),
 }
 
 pytestmark = pytest.mark.slow

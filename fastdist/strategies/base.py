@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdist.distributed import broadcast_tensors
+from fastdist.distributed import broadcast_tensors, get_rank
 
 
 class Strategy:
@@ -32,7 +32,7 @@ class Strategy:
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Prepare ``model`` (already on the device) for training; return the optimizer to use.
 
-        Sets :attr:`module`. A strategy that replaces the parameters returns a rebuilt optimizer.
+        Sets :attr:`module`. A strategy that replaces the parameters repoints the optimizer.
         """
         self.module = model
         return optimizer
@@ -49,22 +49,18 @@ class Strategy:
         with torch.no_grad():
             broadcast_tensors(model.buffers(), group=self.group)
 
-    def training_state_dict(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The model's and the optimizer's state dicts as a checkpoint holds them."""
-        return model.state_dict(), optimizer.state_dict()
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any] | None:
+        """The whole model's ``state_dict`` on rank 0 (``None`` elsewhere), to save or keep."""
+        if get_rank() != 0:
+            return None
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
-    def load_training_state_dict(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        model_state: dict[str, Any],
-        optimizer_state: dict[str, Any],
-    ) -> None:
-        """Restore what :meth:`training_state_dict` returned."""
-        model.load_state_dict(model_state)
-        optimizer.load_state_dict(optimizer_state)
+    def load_full_state_dict(self, model: nn.Module, weights: dict[str, Any] | None) -> None:
+        """Load rank 0's ``weights`` (``None`` on the other ranks) into every rank's model."""
+        if weights is not None:
+            model.load_state_dict(weights)
+        with torch.no_grad():
+            broadcast_tensors(model.state_dict().values(), group=self.group)
 
     def state_dict(self) -> dict[str, Any]:
         """The strategy's own resumable state (e.g. a communication hook's), plain data."""

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import tempfile
 import zlib
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ import torch
 from fastdist.logging import logger
 
 MANIFEST = "manifest.json"
+SHARDED_REST = "trainer.pt"  # a sharded checkpoint's non-tensor part
 
 
 @contextlib.contextmanager
@@ -129,25 +131,32 @@ class CheckpointDir:
 
     def save(self, checkpoint: dict[str, Any], step: int) -> str:
         """Write ``checkpoint`` durably, record it in the manifest, prune old ones."""
-        name = f"step-{step:08d}.pt"
-        path = os.path.join(self.directory, name)
-        crc32 = atomic_save(checkpoint, path)
+        path = os.path.join(self.directory, f"step-{step:08d}.pt")
+        self.record(path, atomic_save(checkpoint, path), step)
+        return path
+
+    def record(self, path: str, crc32: int, step: int) -> None:
+        """Name the durable checkpoint ``path`` (a file, or a sharded checkpoint's directory,
+        ``crc32`` that of its ``trainer.pt``) in the manifest, then prune the oldest."""
+        name = os.path.basename(path)
         entries = [e for e in self.entries() if e["file"] != name]
         entries.append({"file": name, "crc32": crc32, "step": step})
         kept, dropped = entries[-self.keep :], entries[: -self.keep]
         with _atomic_file(os.path.join(self.directory, MANIFEST)) as f:
             f.write(json.dumps(kept, indent=1).encode())
         for old in dropped:  # only now that the new checkpoint and manifest are durable
+            old_path = os.path.join(self.directory, old["file"])
+            if os.path.isdir(old_path):
+                shutil.rmtree(old_path, ignore_errors=True)
             with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(self.directory, old["file"]))
-        return path
+                os.remove(old_path)
 
     def load_latest(self) -> tuple[dict[str, Any], str] | None:
         """The newest checkpoint that verifies and loads, with its path; warn on bad ones."""
         for entry in reversed(self.entries()):
             path = os.path.join(self.directory, entry["file"])
             try:
-                if _crc32(path) != entry["crc32"]:
+                if _crc32(_rest_file(path)) != entry["crc32"]:
                     raise ValueError("its CRC-32 does not match the manifest (truncated?)")
                 return load_checkpoint(path), path
             except Exception as exc:
@@ -155,6 +164,18 @@ class CheckpointDir:
         return None
 
 
+def _rest_file(path: str) -> str:
+    """The torch.save file of a checkpoint: the file itself, or a sharded one's rest."""
+    return os.path.join(path, SHARDED_REST) if os.path.isdir(path) else path
+
+
 def load_checkpoint(path: str) -> dict[str, Any]:
-    """Load a checkpoint file with ``weights_only=True``: pickled code is refused."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """Load a checkpoint with ``weights_only=True``: pickled code is refused. A sharded
+    checkpoint (a directory) gives its rest, with ``sharded_dir`` naming where the model and
+    optimizer shards are (loaded by :func:`~fastdist.trainer.sharded_checkpoint.load_shards`)."""
+    if not os.path.isdir(path):
+        return torch.load(path, map_location="cpu", weights_only=True)
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise ValueError(f"{path} holds no DCP metadata: not a complete sharded checkpoint")
+    rest = torch.load(_rest_file(path), map_location="cpu", weights_only=True)
+    return dict(rest, sharded_dir=path)

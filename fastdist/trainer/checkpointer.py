@@ -7,7 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 from fastdist.distributed import all_gather_object
 from fastdist.logging import logger
-from fastdist.trainer.checkpoint import CheckpointDir, load_checkpoint, rng_state
+from fastdist.trainer.checkpoint import (
+    SHARDED_REST,
+    CheckpointDir,
+    atomic_save,
+    load_checkpoint,
+    rng_state,
+)
+from fastdist.trainer.sharded_checkpoint import load_shards, publish, write_shards
 
 if TYPE_CHECKING:
     from fastdist.trainer.dist_trainer import DistTrainer
@@ -21,11 +28,14 @@ class Checkpointer:
             does nothing, so the loop calls them unconditionally).
         every: also checkpoint every N optimizer updates (0: at epoch ends only).
         keep: how many of the newest checkpoints to keep.
+        sharded: every rank writes its shard of the model and optimizer state with DCP
+            (``strategy="fsdp"``, also on one process, so that any world size resumes it).
     """
 
-    def __init__(self, directory: str | None, every: int, keep: int) -> None:
+    def __init__(self, directory: str | None, every: int, keep: int, sharded: bool) -> None:
         self.dir = CheckpointDir(directory, keep) if directory else None
         self.every = every
+        self.sharded = sharded
 
     def due(self, step: int) -> bool:
         """Whether the schedule asks for a checkpoint after update ``step``."""
@@ -36,9 +46,27 @@ class Checkpointer:
         if self.dir is None:
             return
         rngs = all_gather_object(rng_state(), trainer.group)
+        step = trainer.state.global_step
+        if self.sharded:
+            path = self._save_sharded(trainer, dict(trainer.state_dict(), rng=rngs), step)
+        elif trainer.is_master:
+            path = self.dir.save(dict(trainer.state_dict(), rng=rngs), step)
         if trainer.is_master:
-            path = self.dir.save(dict(trainer.state_dict(), rng=rngs), trainer.state.global_step)
             logger.info("checkpoint written: %s", path)
+
+    def _save_sharded(self, trainer: DistTrainer, rest: dict[str, Any], step: int) -> str:
+        """Shards by every rank into a temp dir, the rest by rank 0, one rename, the manifest."""
+        assert self.dir is not None
+        path = os.path.join(self.dir.directory, f"step-{step:08d}")
+        tmp = os.path.join(self.dir.directory, f".tmp-step-{step:08d}")
+        group, master = trainer.group, trainer.is_master
+        write_shards(trainer.model, trainer.optimizer, tmp, master, group)
+        if master:
+            crc32 = atomic_save(rest, os.path.join(tmp, SHARDED_REST))
+        publish(tmp, path, group, master)  # after every rank finished writing
+        if master:
+            self.dir.record(path, crc32, step)
+        return path
 
     def find(self, resume: bool | str | os.PathLike) -> tuple[dict[str, Any], str] | None:
         """The checkpoint ``train(resume=...)`` asks for, with its path, or ``None``.
@@ -55,12 +83,15 @@ class Checkpointer:
 
 
 def trainer_state_dict(trainer: DistTrainer) -> dict[str, Any]:
-    """Everything a resumed run needs: a dict of the state dicts of every stateful part."""
-    model, optimizer = trainer.strategy.training_state_dict(trainer.model, trainer.optimizer)
+    """Everything a resumed run needs: a dict of the state dicts of every stateful part
+    (with sharded checkpoints, all but the model and optimizer, which DCP writes)."""
+    tensors = {}
+    if not trainer.checkpointer.sharded:
+        model, optimizer = trainer.model.state_dict(), trainer.optimizer.state_dict()
+        tensors = {"model": model, "optimizer": optimizer}
     return {
         "format": 1,
-        "model": model,
-        "optimizer": optimizer,
+        **tensors,
         "callbacks_all": [cb.state_dict() for cb in trainer.callbacks_all],
         "callbacks_master": [cb.state_dict() for cb in trainer.callbacks_master],
         "trainer": trainer.state.state_dict(),
@@ -74,9 +105,11 @@ def trainer_state_dict(trainer: DistTrainer) -> dict[str, Any]:
 
 def load_trainer_state_dict(trainer: DistTrainer, checkpoint: dict[str, Any]) -> None:
     """Restore what :func:`trainer_state_dict` returned (plus the checkpoint's ``rng`` list)."""
-    trainer.strategy.load_training_state_dict(
-        trainer.model, trainer.optimizer, checkpoint["model"], checkpoint["optimizer"]
-    )
+    if "sharded_dir" in checkpoint:
+        load_shards(trainer.model, trainer.optimizer, checkpoint["sharded_dir"], trainer.group)
+    else:
+        trainer.model.load_state_dict(checkpoint["model"])
+        trainer.optimizer.load_state_dict(checkpoint["optimizer"])
     callbacks = [*zip(trainer.callbacks_all, checkpoint["callbacks_all"], strict=True)]
     if trainer.is_master:  # callbacks_master run (and were saved) on rank 0 only
         callbacks += zip(trainer.callbacks_master, checkpoint["callbacks_master"], strict=True)

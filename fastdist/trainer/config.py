@@ -38,6 +38,11 @@ class TrainerConfig:
     ddp_comm_hook: str | None = None
     average_every: int = 0
     bucket_cap_mb: float | None = None
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = False
+    strategy: str = "ddp"
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
     prefetch_factor: int | None = None
 
     def __post_init__(self) -> None:
@@ -68,6 +73,7 @@ class TrainerConfig:
             raise ValueError(f"ddp_comm_hook must be None, fp16, bf16 or powersgd; got {hook!r}")
         if self.ddp_comm_hook and self.average_every:
             raise ValueError("ddp_comm_hook and average_every both set DDP's hook: choose one")
+        self._check_strategy()
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
         if self.prefetch_factor is not None:
@@ -86,6 +92,33 @@ class TrainerConfig:
             )
         if self.save_path is not None and not isinstance(self.save_path, (str, os.PathLike)):
             raise TypeError(f"save_path must be a directory path or None, got {self.save_path!r}")
+
+    def _check_strategy(self) -> None:
+        if self.strategy not in ("ddp", "fsdp"):
+            raise ValueError(
+                f"strategy must be 'ddp' (every rank holds the whole model) or 'fsdp' (sharded "
+                f"parameters, gradients and optimizer state), got {self.strategy!r}"
+            )
+        if self.strategy == "ddp":
+            if not self.reshard_after_forward or self.cpu_offload:
+                raise ValueError(
+                    "reshard_after_forward and cpu_offload are options of strategy='fsdp'"
+                )
+            return
+        ddp_only = {
+            "ddp_comm_hook": self.ddp_comm_hook is not None,
+            "average_every": self.average_every != 0,
+            "bucket_cap_mb": self.bucket_cap_mb is not None,
+            "static_graph": self.static_graph,
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+            "find_unused_parameters": self.find_unused_parameters,
+        }
+        for name, given in ddp_only.items():
+            if given:
+                raise ValueError(
+                    f"{name} is an option of DDP; strategy='fsdp' has no use for it: drop it, "
+                    "or use strategy='ddp'"
+                )
 
     @property
     def eval_batch_size(self) -> int:

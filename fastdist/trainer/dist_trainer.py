@@ -31,7 +31,7 @@ from fastdist.distributed.position import PositionBoard
 from fastdist.distributed.storage import check_shared_dirs
 from fastdist.logging import logger
 from fastdist.losses import as_loss_fn
-from fastdist.strategies import make_strategy
+from fastdist.strategies import check_strategy_inputs, make_strategy
 from fastdist.trainer import validation
 from fastdist.trainer.batch import make_forward, to_device, window_weights
 from fastdist.trainer.best_model import BestModel
@@ -117,6 +117,13 @@ class DistTrainer:
         pin_memory: page-locked batches for faster copies to the GPU; default: on CUDA.
         persistent_workers, prefetch_factor: passed to the DataLoader (with ``num_workers``).
         compile: ``torch.compile`` the model (in place) before wrapping it.
+        strategy: ``"ddp"`` (every rank holds the whole model) or ``"fsdp"`` (torch's
+            ``fully_shard``: parameters, gradients and optimizer state sharded over the ranks;
+            the optimizer is pointed at the sharded parameters, same class and groups).
+        fsdp_wrap: module classes sharded one by one under ``"fsdp"``; default the children
+            of the model's ``nn.ModuleList``s.
+        reshard_after_forward, cpu_offload: ``"fsdp"`` options: free gathered parameters
+            after each block's forward; keep shards and optimizer state in host memory (CUDA).
 
     Example:
         >>> trainer = DistTrainer(train_data, model, optimizer, loss=CrossEntropyLoss(),
@@ -171,6 +178,10 @@ class DistTrainer:
         persistent_workers: bool = False,
         prefetch_factor: int | None = None,
         compile: bool = False,
+        strategy: str = "ddp",
+        fsdp_wrap: Sequence[type[nn.Module]] | None = None,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
     ) -> None:
         # 1. Validate everything, identically on every rank, before any collective.
         self.config = cfg = TrainerConfig(
@@ -198,6 +209,11 @@ class DistTrainer:
             ddp_comm_hook=ddp_comm_hook,
             average_every=average_every,
             bucket_cap_mb=bucket_cap_mb,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            strategy=strategy,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
             prefetch_factor=prefetch_factor,
         )
         if not isinstance(model, nn.Module):
@@ -229,6 +245,7 @@ class DistTrainer:
         self.loss_fn = as_loss_fn(loss)
         self.device = validation.resolve_device(device)
         self.precision = Precision(cfg.amp, self.device)
+        check_strategy_inputs(cfg, model, fsdp_wrap, self.device)
         if ddp_comm_hook == "bf16" and self.device.type != "cuda":
             raise ValueError("ddp_comm_hook='bf16' needs CUDA and NCCL; use 'fp16' with gloo")
 
@@ -248,16 +265,7 @@ class DistTrainer:
         self.forward = make_forward(self.model)  # from the signature, before compiling
         if compile:
             self.model.compile()
-        self.strategy = make_strategy(
-            self.device,
-            self.group,
-            ddp_comm_hook=ddp_comm_hook,
-            average_every=average_every,
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            bucket_cap_mb=bucket_cap_mb,
-        )
+        self.strategy = make_strategy(cfg, self.device, self.group, fsdp_wrap)
         self.optimizer = self.strategy.wrap(self.model, optimizer)
 
         # 3. Data, evaluation, callbacks, checkpoints and state.
@@ -291,10 +299,15 @@ class DistTrainer:
             self.callbacks_all, self.callbacks_master, self.is_master, guard_master=is_distributed()
         )
         self.callbacks.set_trainer(self)
-        self.best = BestModel(self.model, cfg.save_path, keep_in_memory=load_best_model)
+        self.best = BestModel(
+            self.model, self.strategy, cfg.save_path, keep_in_memory=load_best_model
+        )
         default_dir = None if cfg.save_path is None else os.path.join(cfg.save_path, "checkpoints")
         self.checkpointer = Checkpointer(
-            cfg.checkpoint_dir or default_dir, checkpoint_every, keep_checkpoints
+            cfg.checkpoint_dir or default_dir,
+            checkpoint_every,
+            keep_checkpoints,
+            sharded=cfg.strategy == "fsdp",
         )
         self.state = TrainerState(n_epochs=n_epochs)
         self.weights: list[float] = []  # loss weight of each micro-batch of this epoch's pass
@@ -374,7 +387,7 @@ class DistTrainer:
             if cfg.check_sync_every:
                 check_in_sync(self.model, self.state.global_step, self.group)
             if cfg.load_best_model and self.state.best_eval is not None:
-                self.best.load(self.is_master, self.group)
+                self.best.load(self.is_master)
                 state = self.state
                 logger.info(
                     "loaded the best model of epoch %d step %d", state.best_epoch, state.best_step
@@ -646,8 +659,7 @@ class DistTrainer:
         if is_better:
             state.best_eval, state.best_epoch = result, state.epoch
             state.best_step = state.global_step
-            if self.is_master:
-                self.best.save(self.metric_key)
+            self.best.save(self.metric_key)  # FSDP gathers the weights: on every rank
         logger.info(
             "evaluation at epoch %d step %d: %s%s",
             state.epoch,

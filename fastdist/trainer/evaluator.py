@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
@@ -31,6 +33,24 @@ class ShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+def equal_forwards(loader: DataLoader, model: nn.Module) -> Iterator[tuple[Any, bool]]:
+    """``(batch, is_real)``: this rank's batches of a :class:`ShardSampler` loader; for a
+    sharded (FSDP) model then padding batches (the dataset's first sample, to be discarded)
+    until every rank ran as many forwards as the largest shard needs, since each FSDP forward
+    all-gathers parameters: a collective every rank must join."""
+    for batch in loader:
+        yield batch, True
+    if not isinstance(model, FSDPModule):
+        return
+    batch_size = loader.batch_size or 1
+    n, world = len(loader.dataset), get_world_size()  # type: ignore[arg-type]
+    largest_shard = math.ceil(n / world)
+    most = math.ceil(largest_shard / batch_size)
+    pad = DataLoader(loader.dataset, batch_size=1, sampler=[0], collate_fn=loader.collate_fn)
+    for _ in range(most - len(loader)):
+        yield next(iter(pad)), False
 
 
 class Evaluator:
@@ -74,10 +94,11 @@ class Evaluator:
         try:
             # A short bar of its own on rank 0, on a terminal only.
             show = get_rank() == 0 and sys.stderr.isatty()
-            for batch in tqdm(loader, desc="evaluate", leave=False, disable=not show):
+            batches = equal_forwards(loader, self.model)
+            for batch, real in tqdm(batches, desc="evaluate", leave=False, disable=not show):
                 batch = to_device(batch, self.device)
                 output = self.forward(self.model, batch)
-                for metric in self.metrics:
+                for metric in self.metrics if real else ():
                     metric.update(output, batch)
         finally:
             self.model.train(was_training)

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from fastdist.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
 from fastdist.distributed.storage import check_shared_dirs
 from fastdist.trainer.batch import make_forward, to_device
-from fastdist.trainer.evaluator import ShardSampler
+from fastdist.trainer.evaluator import ShardSampler, equal_forwards
 
 #: ``to_output(output, batch)``: the per-sample outputs of one batch, in batch order.
 ToOutput = Callable[[Any, Any], list[Any]]
@@ -274,7 +274,8 @@ def _predict_shard(
     spill: str,
     as_json: bool,
 ) -> None:
-    """Predict this rank's shard and stream the outputs to ``spill``; no collectives."""
+    """Predict this rank's shard and stream the outputs to ``spill``; no collectives of its
+    own (an FSDP model's forwards are, made equally many on every rank)."""
     loader = DataLoader(
         data,  # type: ignore[arg-type]  # any sequence works at run time
         batch_size=batch_size,
@@ -289,10 +290,12 @@ def _predict_shard(
     position = 0
     try:
         with open(spill, "w" if as_json else "wb") as f, torch.no_grad():
-            for batch in loader:
-                indices = sampler.indices[position : position + batch_size]
+            for batch, real in equal_forwards(loader, model):
                 batch = to_device(batch, device)
                 output = forward(model, batch)
+                if not real:
+                    continue
+                indices = sampler.indices[position : position + batch_size]
                 items = (
                     split_output(output, len(indices))
                     if to_output is None

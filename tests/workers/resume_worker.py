@@ -34,6 +34,7 @@ from typing import IO, Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from workers.trainer_worker import CLASSES, DIM, ToyData
 
 from fastdist import Callback, CrossEntropyLoss, DistTrainer, get_rank
@@ -47,6 +48,7 @@ CONFIGS: dict[str, tuple[int, str]] = {
     "plain": (1, "warmup"),  # 9 updates per epoch on 2 ranks
     "accumulate": (2, "warmup"),  # windows of 2 micro-batches, a short last one: 5 updates
     "epoch-lr": (1, "epoch"),  # StepLR stepped at every epoch end
+    "fsdp": (2, "warmup"),  # as accumulate, with strategy="fsdp": sharded (DCP) checkpoints
 }
 
 
@@ -64,8 +66,9 @@ class DropNet(nn.Module):
 
 
 def flat_params(model: nn.Module) -> list[float]:
-    """All parameters of ``model`` as one flat list of floats."""
-    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+    """All parameters of ``model`` (this rank's shards under FSDP) as one flat list."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return torch.cat([p.detach().flatten() for p in local]).tolist()
 
 
 def first_attempt() -> bool:
@@ -165,6 +168,7 @@ def build_trainer(
         device="cpu",
         checkpoint_every=checkpoint_every,
         keep_checkpoints=3,
+        strategy="fsdp" if config == "fsdp" else "ddp",
     )
 
 

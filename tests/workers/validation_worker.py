@@ -45,6 +45,12 @@ BAD_INPUT: dict[str, dict[str, Any] | Callable[[], dict[str, Any]]] = {
     "empty_train_data": {"n_train": 0},
     "unknown_keyword": {"batch_size": 8},
     "too_few_samples_for_drop_last": {"n_train": 8, "drop_last": True},
+    "unknown_strategy": {"strategy": "deepspeed"},
+    "fsdp_with_comm_hook": {"strategy": "fsdp", "ddp_comm_hook": "fp16"},
+    "fsdp_with_average_every": {"strategy": "fsdp", "average_every": 4},
+    "fsdp_wrap_absent": {"strategy": "fsdp", "fsdp_wrap": [torch.nn.Conv2d]},
+    "fsdp_wrap_without_fsdp": {"fsdp_wrap": [torch.nn.Linear]},
+    "cpu_offload_on_cpu": {"strategy": "fsdp", "cpu_offload": True},
 }
 
 

@@ -1,0 +1,150 @@
+"""Worker for tests/test_fsdp.py: the same training under strategy="ddp" and "fsdp".
+
+Usage (under torchrun, 2 ranks)::
+
+    fsdp_worker.py OUT_DIR
+
+Writes ``OUT_DIR/rank<R>.json`` with, for each strategy, the final (gathered) parameters, the
+local shard sizes, evaluate()/predict() of an odd-size dev set and the same computed by the
+plain gathered model in this process (the one-process result), the best model file; and a
+bf16 FSDP run's losses.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from workers.trainer_worker import CLASSES, DIM, ToyData, write_json
+
+from fastdist import AccuracyMetric, Callback, CrossEntropyLoss, DistTrainer, LossMetric, get_rank
+from fastdist.callbacks import GradientClipCallback
+
+HIDDEN, N_TRAIN, N_DEV = 32, 40, 13  # dev: 7 + 6 samples, 4 and 3 batches of 2 on 2 ranks
+
+
+class BlockNet(nn.Module):
+    """An MLP whose hidden layers are a ``nn.ModuleList`` (what FSDP shards one by one)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(DIM, HIDDEN, dtype=dtype)
+        self.blocks = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN, dtype=dtype) for _ in range(2))
+        self.out = nn.Linear(HIDDEN, CLASSES, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x.to(self.inp.weight.dtype)))
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.out(h)
+
+
+class LossLog(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_backward_begin(self, loss: torch.Tensor) -> None:
+        self.losses.append(float(loss))
+
+
+def local_numel(tensors: Any) -> tuple[int, int]:
+    """Elements held by this rank and in total (DTensors: the local shard)."""
+    local = total = 0
+    for t in tensors:
+        local += (t.to_local() if isinstance(t, DTensor) else t).numel()
+        total += t.numel()
+    return local, total
+
+
+def run(strategy: str, out: Path) -> dict[str, Any]:
+    model = BlockNet()
+    save = out / strategy
+    trainer = DistTrainer(
+        ToyData(N_TRAIN),
+        model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
+        loss=CrossEntropyLoss(),
+        callbacks_all=[GradientClipCallback(clip_value=0.05)],  # small: it really clips
+        batch_size_per_gpu=4,
+        update_every=2,
+        n_epochs=2,
+        dev_data=ToyData(N_DEV, seed=1),
+        dev_batch_size_per_gpu=2,
+        metrics=[AccuracyMetric(), LossMetric(CrossEntropyLoss())],
+        metric_key="-loss",
+        save_path=str(save),
+        print_every=10_000,
+        use_tqdm=False,
+        device="cpu",
+        strategy=strategy,
+    )
+    trainer.train()
+    full = trainer.strategy.full_state_dict(trainer.model)  # rank 0: the whole model
+    dev = ToyData(N_DEV, seed=1)
+    result: dict[str, Any] = {
+        "params_local_total": local_numel(trainer.model.parameters()),
+        "optim_local_total": local_numel(
+            v for s in trainer.optimizer.state.values() for v in s.values() if v.dim() > 0
+        ),
+        "optimizer_class": type(trainer.optimizer).__name__,
+        "weight_decay": trainer.optimizer.param_groups[0]["weight_decay"],
+        "eval": trainer.evaluate(dev),
+        "predict": trainer.predict(dev),
+    }
+    if full is not None:
+        plain = BlockNet()
+        plain.load_state_dict(full)
+        result["params"] = torch.cat([p.detach().flatten() for p in plain.parameters()]).tolist()
+        with torch.no_grad():  # the one-process results, from the gathered model
+            logits = plain(dev.x)
+        result["predict_one_process"] = logits.tolist()
+        result["eval_one_process"] = {
+            "acc": (logits.argmax(1) == dev.target).double().mean().item(),
+            "loss": nn.functional.cross_entropy(logits, dev.target).item(),
+        }
+        best = torch.load(trainer.best_model_path, weights_only=True)
+        fresh = BlockNet()
+        fresh.load_state_dict(best)  # strict: every key, plain tensors
+        result["best_equals_final"] = all(torch.equal(best[k], v) for k, v in full.items())
+    return result
+
+
+def run_bf16() -> dict[str, Any]:
+    model = BlockNet()
+    log = LossLog()
+    trainer = DistTrainer(
+        ToyData(N_TRAIN),
+        model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=0.02),
+        loss=CrossEntropyLoss(),
+        callbacks_all=[log],
+        batch_size_per_gpu=4,
+        n_epochs=4,
+        print_every=10_000,
+        use_tqdm=False,
+        device="cpu",
+        strategy="fsdp",
+        amp="bf16",
+    )
+    trainer.train()
+    return {
+        "losses": log.losses,
+        "param_dtype": str(next(trainer.model.parameters()).dtype),
+    }
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[1])
+    results = {"rank": get_rank(), "ddp": run("ddp", out), "fsdp": run("fsdp", out)}
+    results["bf16"] = run_bf16()
+    write_json(out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
