@@ -80,16 +80,21 @@ def test_worlds(world: World) -> None:
     assert list(world.cwd.iterdir()) == [], "the worker wrote into its working directory"
 
 
-@pytest.mark.parametrize("run", ["sgd-128", "sgd-56", "adamw-128", "adamw-56"])
+@pytest.mark.parametrize(
+    "run",
+    ["sgd-128", "sgd-56", "adamw-128", "adamw-56", "sgd-323", "sgd-289", "sgd-203", "adamw-331"],
+)
 def test_two_ranks_equal_one_process(run: str, launch: Callable[[str], World]) -> None:
     """2 ranks x 8 x update_every 2 == 1 rank x 8 x update_every 4, after several updates.
 
     128 samples: 4 full updates per epoch. 56: each rank gets 28 = micro-batches 8, 8, 8, 4,
-    windows [8, 8] and [8, 4]; one process has windows of 32 and 24 samples. 2 epochs each.
+    windows [8, 8] and [8, 4]; one process has windows of 32 and 24 samples. 323, 331: shards
+    one sample apart, nothing repeated; 289: shards of 145 and 144, so rank 1's last window is
+    one filler. 203: 1 x 16 == 2 x 8, update_every 1. 2 epochs each.
     """
     one = launch("python").ranks[0]["equivalence"][run]
     n = int(run.split("-")[1])
-    assert one["steps"] == 2 * math.ceil(n / 32)
+    assert one["steps"] == 2 * math.ceil(n / (16 if n == 203 else 32))
     reference = torch.tensor(one["final"], dtype=torch.float64)
     moved = (reference - torch.tensor(one["init"], dtype=torch.float64)).abs().max()
     assert moved > 1e-2, "training did not change the weights"
@@ -142,21 +147,23 @@ def test_one_process_makes_no_all_reduce(launch: Callable[[str], World]) -> None
 
 def test_every_sample_once_per_epoch(world: World) -> None:
     """96 samples, batch 8: each epoch covers every id once across ranks, in a new order."""
-    epochs = [data["coverage"]["epochs"] for data in world.ranks]
-    assert all(len(rank_epochs) == 3 for rank_epochs in epochs)
-    for epoch in range(3):
-        shards = [rank_epochs[epoch] for rank_epochs in epochs]
-        assert all(len(shard) == 96 // world.size for shard in shards)
-        assert sorted(i for shard in shards for i in shard) == list(range(96)), f"epoch {epoch}"
-    for rank_epochs in epochs:
-        assert len({tuple(order) for order in rank_epochs}) == 3, "order must change per epoch"
+    for n in (96, 289):  # 289: shards of 145 and 144, no sample repeated
+        epochs = [data["coverage"][str(n)] for data in world.ranks]
+        assert all(len(rank_epochs) == 3 for rank_epochs in epochs)
+        for epoch in range(3):
+            shards = [rank_epochs[epoch] for rank_epochs in epochs]
+            sizes = [len(shard) for shard in shards]
+            assert sizes == [(n - r + world.size - 1) // world.size for r in range(world.size)]
+            assert sorted(i for shard in shards for i in shard) == list(range(n)), f"epoch {epoch}"
+        for rank_epochs in epochs:
+            assert len({tuple(order) for order in rank_epochs}) == 3, "order must change per epoch"
 
 
 def test_ranks_take_alternate_positions_of_one_order(launch: Callable[[str], World]) -> None:
     """The premise of equivalence: rank r of 2 trains on positions r::2 of the 1-process order."""
-    one = launch("python").ranks[0]["coverage"]["epochs"]
+    one = launch("python").ranks[0]["coverage"]["289"]
     for rank, coverage in launch("torchrun-2").case("coverage"):
-        for epoch, order in enumerate(coverage["epochs"]):
+        for epoch, order in enumerate(coverage["289"]):
             assert order == one[epoch][rank::2], f"rank {rank} epoch {epoch}"
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +22,18 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device) for v in batch)
     return batch
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module, active: bool) -> Iterator[None]:
+    """Run in eval mode while ``active`` (a filler: no batch-norm statistics, no dropout)."""
+    was_training = model.training
+    if active:
+        model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def make_forward(model: nn.Module) -> Callable[[nn.Module, Any], Any]:
@@ -44,22 +57,20 @@ def make_forward(model: nn.Module) -> Callable[[nn.Module, Any], Any]:
     return forward
 
 
-def window_weights(
-    n_samples: int, batch_size: int, update_every: int, drop_last: bool
-) -> list[float]:
-    """Loss weight of every micro-batch of an epoch so each update averages its samples.
+def window_weights(sizes: Sequence[Sequence[int]], rank: int, update_every: int) -> list[float]:
+    """Loss weight of each of this rank's micro-batches so each update averages its samples.
 
-    Micro-batches are grouped into windows of ``update_every``; a micro-batch of ``s`` samples
-    in a window of ``n`` samples gets ``s / n``. A short last batch or a short last window is
-    thus weighted exactly as one big batch would be. Every rank has the same shard size (the
-    sampler pads or drops to make it so), hence the same windows, so DDP's mean over ranks
-    completes the global average without any extra communication.
+    ``sizes[r]`` are rank ``r``'s micro-batch sizes (samples) of the pass; shorter lists are
+    padded with 0 (fillers) to the longest, so every rank runs equally many micro-batches.
+    Micro-batches are grouped into windows of ``update_every``; one of ``s`` samples in a
+    window of ``n`` samples over all ranks gets ``s * world_size / n`` (DDP's mean over the
+    ranks divides by ``world_size``). A short or uneven end is thus weighted exactly as one
+    big batch would be, and every rank computes its weights without communicating.
     """
-    sizes = [batch_size] * (n_samples // batch_size)
-    if n_samples % batch_size and not drop_last:
-        sizes.append(n_samples % batch_size)
+    world, length = len(sizes), max(map(len, sizes), default=0)
+    own = list(sizes[rank]) + [0] * (length - len(sizes[rank]))
     weights: list[float] = []
-    for start in range(0, len(sizes), update_every):
-        window = sizes[start : start + update_every]
-        weights += [size / sum(window) for size in window]
+    for start in range(0, length, update_every):
+        total = sum(sum(s[start : start + update_every]) for s in sizes)
+        weights += [size * world / total for size in own[start : start + update_every]]
     return weights

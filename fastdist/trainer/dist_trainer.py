@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import itertools
 import math
 import os
 import time
@@ -14,10 +13,11 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset, Sampler
 
 from fastdist.callbacks.callback import Callback, CallbackList
 from fastdist.callbacks.json_log import JSONLogCallback
+from fastdist.data import TrainBatches
 from fastdist.distributed import (
     all_reduce_sum,
     broadcast_object,
@@ -33,7 +33,7 @@ from fastdist.logging import logger
 from fastdist.losses import as_loss_fn
 from fastdist.strategies import check_strategy_inputs, make_strategy
 from fastdist.trainer import validation
-from fastdist.trainer.batch import make_forward, to_device, window_weights
+from fastdist.trainer.batch import eval_mode, make_forward, to_device, window_weights
 from fastdist.trainer.best_model import BestModel
 from fastdist.trainer.checkpoint import set_rng_state
 from fastdist.trainer.checkpointer import (
@@ -50,7 +50,6 @@ from fastdist.trainer.predict import predict as run_predict
 from fastdist.trainer.preemption import SigtermFlag
 from fastdist.trainer.progress import Progress
 from fastdist.trainer.safety import all_finite, check_even_shards, check_in_sync, failing_ranks
-from fastdist.trainer.sampler import ResumableSampler
 from fastdist.trainer.state import TrainerState
 
 
@@ -86,7 +85,13 @@ class DistTrainer:
         device: ``"auto"``/``None`` (``cuda:LOCAL_RANK`` if CUDA is available, else CPU),
             ``"cpu"``, ``"cuda"`` or a ``torch.device``.
         use_tqdm: progress bar on rank 0 when it writes to a terminal.
-        sampler: a distributed-aware training sampler; default ``DistributedSampler``.
+        sampler: a distributed-aware training sampler giving every rank equally many batches;
+            default: :class:`~fastdist.data.ResumableSampler` (every sample once per epoch,
+            no padding, shards differing by at most one sample).
+        batch_sampler: a distributed-aware batch sampler instead of ``batch_size_per_gpu``
+            batches, e.g. :class:`~fastdist.data.TokenBatchSampler` (exact weights, uneven
+            ends, resumable); another one must give every rank equally many batches, which
+            then weigh equally.
         collate_fn: turns a list of samples into a batch; default torch's.
         dev_batch_size_per_gpu: evaluation batch size; default ``batch_size_per_gpu``.
         seed: seed of the shuffled order of the training data (the same on every rank).
@@ -156,6 +161,7 @@ class DistTrainer:
         device: str | torch.device | None = "auto",
         use_tqdm: bool = True,
         sampler: Sampler | None = None,
+        batch_sampler: Sampler | None = None,
         collate_fn: Callable | None = None,
         dev_batch_size_per_gpu: int | None = None,
         seed: int = 0,
@@ -221,13 +227,11 @@ class DistTrainer:
         n_train = validation.check_dataset("train_data", train_data)
         if dev_data is not None:
             validation.check_dataset("dev_data", dev_data)
-        if sampler is not None and not hasattr(sampler, "__len__"):
-            raise TypeError("sampler must have __len__ (the number of samples of this rank)")
-        self.sampler = sampler or ResumableSampler(
-            n_train, get_rank(), get_world_size(), seed=seed, drop_last=drop_last
-        )
-        n_per_rank = len(self.sampler)  # type: ignore[arg-type]
-        validation.check_enough_samples(n_per_rank, batch_size_per_gpu, drop_last)
+        validation.check_samplers(sampler, batch_sampler)
+        if sampler is None and batch_sampler is None:
+            validation.check_enough_samples(
+                n_train // get_world_size(), batch_size_per_gpu, drop_last
+            )
         self.metrics = validation.as_metric_list(metrics)
         if dev_data is not None and not self.metrics:
             raise ValueError("dev_data needs metrics=: pass e.g. metrics=AccuracyMetric()")
@@ -270,18 +274,23 @@ class DistTrainer:
 
         # 3. Data, evaluation, callbacks, checkpoints and state.
         self.train_data, self.dev_data = train_data, dev_data
-        self.train_loader = DataLoader(
+        self.data = TrainBatches(
             train_data,
-            batch_size=batch_size_per_gpu,
-            sampler=self.sampler,
+            batch_size_per_gpu,
+            sampler,
+            batch_sampler,
+            drop_last,
+            seed,
+            self.rank,
+            self.world_size,
             num_workers=num_workers,
             collate_fn=collate_fn,
-            drop_last=drop_last,
             pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
             persistent_workers=persistent_workers and num_workers > 0,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
         )
-        check_even_shards(len(self.train_loader), self.group)
+        if not self.data.plans_uneven:  # a user's sampler: its shards must be equal
+            check_even_shards(len(self.data.loader), self.group)
         if is_multi_node():
             shared = [("save_path", cfg.save_path), ("checkpoint_dir", cfg.checkpoint_dir)]
             check_shared_dirs([(name, path) for name, path in shared if path], self.group)
@@ -419,16 +428,18 @@ class DistTrainer:
             for batch_idx, batch in enumerate(self._epoch_batches(epoch)):
                 state.batch_idx = batch_idx
                 state.is_update = self._ends_window(batch_idx)
+                share = self.weights[batch_idx]
+                state.is_filler = share == 0.0  # keeps a shorter shard in step; trains nothing
                 batch = to_device(batch, self.device)
                 callbacks.on_batch_begin(batch)
                 # Only the last micro-batch of a window all-reduces gradients.
                 with contextlib.nullcontext() if state.is_update else self.strategy.no_sync():
-                    with self.precision.autocast():
+                    with self.precision.autocast(), eval_mode(self.model, state.is_filler):
                         output = self.forward(self.strategy.module, batch)
                         callbacks.on_loss_begin(batch, output)
-                        loss = self.losses.add(self.loss_fn(output, batch))
+                        loss = self.losses.add(self.loss_fn(output, batch), share)
                     callbacks.on_backward_begin(loss)
-                    weight = self.losses.weight(self.weights[batch_idx])
+                    weight = self.losses.weight(share)
                     self.precision.backward(loss if weight == 1.0 else loss * weight)
                 if state.is_update:  # (sum, count) losses: divide by the update's global count
                     self.losses.normalize(self.model, self.world_size, self.group)
@@ -460,49 +471,32 @@ class DistTrainer:
 
     def _epoch_batches(self, epoch: int) -> Iterator[Any]:
         """This epoch's batches from where training stands in it (mid-epoch after a resume)."""
-        state, cfg = self.state, self.config
-        start = 0 if state.epoch_complete else state.samples_in_epoch
-        state.epoch_complete, state.samples_in_epoch = False, start
-        self._epoch_start = start
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on all ranks
-        skip = 0
-        if isinstance(self.sampler, ResumableSampler):
-            self.sampler.set_start(start)  # continue at the next unseen sample, no replay
-        elif start:  # a user sampler: skip the batches this rank already trained on
-            skip = start // (cfg.batch_size_per_gpu * self.world_size)
-        n_samples = len(self.sampler) - skip * cfg.batch_size_per_gpu  # type: ignore[arg-type]
-        self.weights = window_weights(
-            n_samples, cfg.batch_size_per_gpu, cfg.update_every, cfg.drop_last
-        )
+        state = self.state
+        if state.epoch_complete:
+            state.samples_in_epoch = state.batches_in_epoch = 0
+        state.epoch_complete = False
+        sizes = self.data.begin(epoch, state.samples_in_epoch, state.batches_in_epoch)
+        self.weights = window_weights(sizes, self.rank, self.config.update_every)
         # iter() draws from the torch RNG. A checkpoint at an epoch end was taken before that
         # draw, one inside an epoch after it: restore the saved state on the matching side.
         resume_rng, self._resume_rng = self._resume_rng, None
-        if resume_rng is not None and start == 0:
+        mid_epoch = state.samples_in_epoch > 0 or state.batches_in_epoch > 0
+        if resume_rng is not None and not mid_epoch:
             set_rng_state(resume_rng)
-        batches = iter(self.train_loader)
-        if resume_rng is not None and start > 0:
+        batches = self.data.iterate()
+        if resume_rng is not None and mid_epoch:
             set_rng_state(resume_rng)
-        return itertools.islice(batches, skip, None)
+        return batches
 
     def _updates_left(self) -> int:
         """Optimizer updates from the current position to the end of the last epoch."""
-        cfg, state = self.config, self.state
-        per_rank = len(self.sampler)  # type: ignore[arg-type]
-        if isinstance(self.sampler, ResumableSampler):
-            per_rank = -(-self.sampler.n // self.world_size)
-            if cfg.drop_last:
-                per_rank = self.sampler.n // self.world_size
-
-        def updates(n: int) -> int:
-            windows = window_weights(n, cfg.batch_size_per_gpu, cfg.update_every, cfg.drop_last)
-            return -(-len(windows) // cfg.update_every)
-
-        full_epochs = cfg.n_epochs - max(state.epoch, 1) + (0 if state.epoch_complete else 1)
-        left = max(full_epochs, 0) * updates(per_rank)
-        if not state.epoch_complete and state.samples_in_epoch:
-            consumed = state.samples_in_epoch // self.world_size
-            left -= updates(per_rank) - updates(max(per_rank - consumed, 0))
+        state, every = self.state, self.config.update_every
+        first = state.epoch + 1 if state.epoch_complete else max(state.epoch, 1)
+        left = 0
+        for epoch in range(first, self.config.n_epochs + 1):
+            mid = epoch == state.epoch and not state.epoch_complete
+            position = (state.samples_in_epoch, state.batches_in_epoch) if mid else (0, 0)
+            left += -(-self.data.n_micro_batches(epoch, *position) // every)
         return left
 
     def _ends_window(self, batch_idx: int) -> bool:
@@ -525,8 +519,7 @@ class DistTrainer:
             state.skipped_steps += 1
             return False
         state.global_step += 1
-        global_batch = cfg.batch_size_per_gpu * self.world_size
-        state.samples_in_epoch = self._epoch_start + (state.batch_idx + 1) * global_batch
+        state.samples_in_epoch, state.batches_in_epoch = self.data.position(state.batch_idx + 1)
         self.strategy.after_step(self.model, state.global_step)  # e.g. local SGD's averaging
         self.progress.update()
         if cfg.check_sync_every and state.global_step % cfg.check_sync_every == 0:

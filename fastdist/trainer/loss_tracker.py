@@ -41,8 +41,11 @@ class LossTracker:
         self.n_folded = 0
         self.since_step = 0  # the optimizer step the pending updates follow
 
-    def add(self, result: Any) -> torch.Tensor:
-        """Record one micro-batch's loss function result; return the loss to backpropagate."""
+    def add(self, result: Any, share: float = 1.0) -> torch.Tensor:
+        """Record one micro-batch's loss function result; return the loss to backpropagate.
+
+        A filler micro-batch (``share`` 0) is not recorded: it trains and reports nothing.
+        """
         loss, count = result, 1
         self.counted = isinstance(result, tuple)
         if self.counted:
@@ -53,16 +56,19 @@ class LossTracker:
                 f"loss must return a scalar tensor (the mean over the micro-batch) or a (sum, "
                 f"count) pair, got {shape}: reduce it inside the loss, e.g. with .mean()"
             )
-        self.window.append(loss.detach())
-        self.window_count = self.window_count + count
+        if share:
+            self.window.append(loss.detach())
+            self.window_count = self.window_count + count
         return loss
 
     def weight(self, share: float) -> float:
         """A mean weighs by its micro-batch's ``share`` of the update; a sum waits (below)."""
-        return 1.0 if self.counted else share
+        return float(share > 0) if self.counted else share
 
     def window_loss(self) -> torch.Tensor:
         """The current update's summed loss, on the device."""
+        if not self.window:  # only fillers on this rank
+            return torch.zeros((), dtype=torch.float64, device=self.device)
         if len(self.window) == 1:
             return self.window[0]
         return torch.stack(self.window).sum()

@@ -17,11 +17,16 @@ class TrainerState:
         batch_idx: index of the current micro-batch within this pass over the epoch, from 0
             (a pass resumed mid-epoch starts at 0 again).
         samples_in_epoch: global samples of the current epoch trained on (all ranks).
+        batches_in_epoch: global micro-batches of the current epoch trained on (all ranks;
+            a batch sampler resumes from it).
         epoch_complete: whether the current epoch has been trained to its end.
         n_epochs: epochs to train.
         total_steps: optimizer updates the whole run will make.
         is_update: whether the current micro-batch ends an update window (its backward
             all-reduces gradients and the optimizer steps after it).
+        is_filler: the current micro-batch is a filler: a rank whose shard gave one batch
+            fewer repeats its last batch with loss weight 0 to stay in step (it trains
+            nothing; sample-counting callbacks skip it).
         loss: mean training loss over all ranks since the previous logging step.
         eval_result: the latest evaluation result, e.g. ``{"acc": 0.93}``.
         best_eval: the best evaluation result so far, with ``best_epoch`` and ``best_step``.
@@ -33,10 +38,12 @@ class TrainerState:
     skipped_steps: int = 0
     batch_idx: int = 0
     samples_in_epoch: int = 0
+    batches_in_epoch: int = 0
     epoch_complete: bool = False
     n_epochs: int = 0
     total_steps: int = 0
     is_update: bool = False
+    is_filler: bool = False
     loss: float | None = None
     eval_result: dict[str, float] | None = None
     best_eval: dict[str, float] | None = None

@@ -84,8 +84,20 @@ def check_callbacks(name: str, callbacks: Sequence[Callback] | None) -> list[Cal
     return items
 
 
+def check_samplers(sampler: Any, batch_sampler: Any) -> None:
+    """At most one of them, each with ``__len__`` (this rank's samples or batches)."""
+    if sampler is not None and batch_sampler is not None:
+        raise ValueError("pass sampler= or batch_sampler=, not both")
+    for name, given, unit in (
+        ("sampler", sampler, "samples"),
+        ("batch_sampler", batch_sampler, "batches"),
+    ):
+        if given is not None and not hasattr(given, "__len__"):
+            raise TypeError(f"{name} must have __len__ (the number of {unit} of this rank)")
+
+
 def check_enough_samples(n_samples: int, batch_size: int, drop_last: bool) -> None:
-    """Each rank needs at least one batch per epoch."""
+    """With ``drop_last`` each rank needs at least one full batch per epoch."""
     if drop_last and n_samples < batch_size:
         raise ValueError(
             f"train_data gives each rank {n_samples} samples, fewer than one batch with "

@@ -1,0 +1,134 @@
+"""The training loader and the plan of each pass: every rank's micro-batch sizes.
+
+Every rank runs the same number of micro-batches per pass, so each update makes the same
+collectives on every rank (one gradient all-reduce with DDP; FSDP's per-forward gathers).
+Shards differ by at most one sample (or one token batch); a rank whose shard gives one batch
+fewer runs a *filler*: its last batch again, weighted 0 (see :func:`window_weights`), in eval
+mode so batch-norm statistics and dropout's random numbers are untouched.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from fastdist.data.sampler import ResumableSampler
+from fastdist.data.token_batch import TokenBatchSampler
+
+
+def split_batches(n_samples: int, batch_size: int, drop_last: bool) -> list[int]:
+    """Sizes of the batches ``n_samples`` make: full ones and a short last (unless dropped)."""
+    sizes = [batch_size] * (n_samples // batch_size)
+    if n_samples % batch_size and not drop_last:
+        sizes.append(n_samples % batch_size)
+    return sizes
+
+
+class TrainBatches:
+    """This rank's training batches, pass by pass, and every rank's batch sizes.
+
+    A pass is an epoch from a position: ``samples`` (for samplers of samples) or ``batches``
+    (for batch samplers) already trained on by all ranks together, 0 at an epoch's start.
+    """
+
+    def __init__(
+        self,
+        data: Dataset,
+        batch_size: int,
+        sampler: Sampler | None,
+        batch_sampler: Sampler | None,
+        drop_last: bool,
+        seed: int,
+        rank: int,
+        world_size: int,
+        **loader_options: Any,
+    ) -> None:
+        self.batch_size, self.drop_last = batch_size, drop_last
+        self.rank, self.world_size = rank, world_size
+        self.by_batch = batch_sampler is not None  # positions count batches, not samples
+        if batch_sampler is not None:
+            self.sampler: Any = batch_sampler
+            self.loader = DataLoader(data, batch_sampler=batch_sampler, **loader_options)
+        else:
+            self.sampler = sampler or ResumableSampler(
+                len(data),  # type: ignore[arg-type]
+                rank,
+                world_size,
+                seed=seed,
+                drop_last=drop_last,
+            )
+            self.loader = DataLoader(
+                data, batch_size, sampler=self.sampler, drop_last=drop_last, **loader_options
+            )
+        self.data = data
+        self.sizes: list[list[int]] = []  # every rank's micro-batch sizes of the current pass
+        self._prefix: list[list[int]] = []  # their running sums
+        self._skip = 0
+        self._start = (0, 0)
+
+    @property
+    def plans_uneven(self) -> bool:
+        """Whether every rank's sizes are known (else user samplers must give equal shards)."""
+        return isinstance(self.sampler, (ResumableSampler, TokenBatchSampler))
+
+    def plan(self, epoch: int, samples: int, batches: int) -> tuple[list[list[int]], int]:
+        """Every rank's batch sizes of a pass, and how many batches this rank's loader skips.
+
+        A user sampler is taken to give every rank equal shards (checked at set-up); a user
+        batch sampler's batch sizes are unknown, so its micro-batches weigh equally.
+        """
+        s, w = self.sampler, self.world_size
+        if isinstance(s, ResumableSampler):
+            shards = [s.shard_size(r, samples) for r in range(w)]
+            return [split_batches(n, self.batch_size, self.drop_last) for n in shards], 0
+        if isinstance(s, TokenBatchSampler):
+            return [[len(b) for b in bs] for bs in s.rank_batches(epoch, batches)], 0
+        if self.by_batch:
+            skip = batches // w
+            return [[1] * (len(s) - skip)] * w, skip
+        skip = samples // (self.batch_size * w)
+        return [split_batches(len(s) - skip * self.batch_size, self.batch_size, False)] * w, skip
+
+    def n_micro_batches(self, epoch: int, samples: int = 0, batches: int = 0) -> int:
+        """Micro-batches every rank runs in a pass (the longest shard's batches)."""
+        return max(len(sizes) for sizes in self.plan(epoch, samples, batches)[0])
+
+    def begin(self, epoch: int, samples: int, batches: int) -> list[list[int]]:
+        """Start a pass: set the sampler's epoch and start; return every rank's batch sizes."""
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on all ranks
+        if self.plans_uneven:
+            self.sampler.set_start(batches if self.by_batch else samples)  # no replay
+        self.sizes, self._skip = self.plan(epoch, samples, batches)
+        self._prefix = [list(itertools.accumulate(sizes, initial=0)) for sizes in self.sizes]
+        self._start = (samples, batches)
+        return self.sizes
+
+    def iterate(self) -> Iterator[Any]:
+        """This rank's batches of the pass, then fillers up to the longest shard's count.
+
+        ``iter()`` of the loader runs now (it draws from the torch RNG: the caller orders it
+        against restoring a checkpoint's RNG state).
+        """
+        batches = itertools.islice(iter(self.loader), self._skip, None)
+        return self._with_fillers(batches, max(map(len, self.sizes), default=0))
+
+    def _with_fillers(self, batches: Iterator[Any], n: int) -> Iterator[Any]:
+        last, count = None, 0
+        for last in batches:
+            count += 1
+            yield last
+        for _ in range(count, n):
+            if last is None:  # an empty shard (fewer samples left than ranks)
+                last = self.loader.collate_fn([self.data[0]])
+            yield last
+
+    def position(self, done: int) -> tuple[int, int]:
+        """(samples, batches) of the epoch trained on by all ranks after ``done`` micro-batches
+        of this pass each."""
+        samples = sum(prefix[min(done, len(prefix) - 1)] for prefix in self._prefix)
+        batches = sum(min(done, len(sizes)) for sizes in self.sizes)
+        return self._start[0] + samples, self._start[1] + batches

@@ -1,0 +1,85 @@
+"""Training data in real worlds: token-budget batches and mid-epoch resume, 1 and 2 ranks.
+
+The any-size map-style cases (323, 331, 289, 203 samples) live in tests/test_trainer.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launch import run_ranks
+
+from fastdist.data import TokenBatchSampler
+
+WORKER = Path(__file__).resolve().parent / "workers" / "data_worker.py"
+N_SEQ, MAX_TOKENS = 203, 24  # the worker's sequences and token budget
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], list[dict[str, Any]]]:
+    """Every rank's results of a world of 1 (plain process) or 2 (torchrun), run once."""
+    runs: dict[int, list[dict[str, Any]]] = {}
+
+    def get(size: int) -> list[dict[str, Any]]:
+        if size not in runs:
+            out, cwd = tmp_path_factory.mktemp(f"data-{size}"), tmp_path_factory.mktemp("cwd")
+            _, runs[size] = run_ranks(WORKER, size, [str(out)], out, size > 1, cwd=cwd, timeout=240)
+        return runs[size]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["sum-count", "sample-mean"])
+def test_token_batches_two_ranks_equal_one_process(loss: str, worlds: Any) -> None:
+    """1 x update_every 4 == 2 x update_every 2 on the same token batches, to 1e-5."""
+    one = worlds(1)[0]["token"][loss]
+    for rank, data in enumerate(worlds(2)):
+        got = data["token"][loss]
+        assert got["steps"] == one["steps"]
+        diff = (torch.tensor(got["final"]) - torch.tensor(one["final"])).abs().max().item()
+        assert diff < 1e-5, f"rank {rank}: max difference {diff:.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [1, 2])
+def test_token_batches_cover_every_sample_once_within_budget(size: int, worlds: Any) -> None:
+    ranks = worlds(size)
+    for epoch in range(2):
+        seen = [i for data in ranks for i in data["token"]["sum-count"]["ids"][epoch]]
+        assert sorted(seen) == list(range(N_SEQ)), f"epoch {epoch}"
+    padded = [s for data in ranks for s in data["token"]["sum-count"]["padded"]]
+    assert max(padded) <= MAX_TOKENS and min(padded) < MAX_TOKENS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [1, 2])
+@pytest.mark.parametrize("kind", ["map", "token"])
+def test_mid_epoch_resume_is_bit_exact(size: int, kind: str, worlds: Any) -> None:
+    """Stopped at update 5, resumed from the checkpoint of update 3 (mid-epoch 1)."""
+    for data in worlds(size):
+        run = data["resume"][kind]
+        assert (run["stopped_at"], run["resumed_at"]) == (5, 3)
+        assert run["resumed"] == run["straight"]
+
+
+def test_token_batches_do_not_depend_on_the_world_size() -> None:
+    lengths = torch.randint(1, 40, (301,), generator=torch.Generator().manual_seed(1)).tolist()
+    one = TokenBatchSampler(lengths, 64, rank=0, world_size=1)
+    two = [TokenBatchSampler(lengths, 64, rank=r, world_size=2) for r in range(2)]
+    for sampler in (one, *two):
+        sampler.set_epoch(3)
+    batches = list(one)
+    assert [list(s) for s in two] == [batches[0::2], batches[1::2]]
+    assert batches != one.batches(4), "a new order every epoch"
+    two[1].set_start(5)  # resumed after 5 global batches
+    assert list(two[1]) == batches[5:][1::2]
+
+
+def test_token_sampler_names_a_sample_over_budget() -> None:
+    with pytest.raises(ValueError, match=r"sample 2 has length 70 > max_tokens=64"):
+        TokenBatchSampler([3, 5, 70, 1], 64)
