@@ -24,6 +24,7 @@ from fastdist.callbacks import (
     LRSchedulerCallback,
     WarmupCallback,
 )
+from fastdist.data import split_batches
 from fastdist.losses import as_loss_fn
 from fastdist.trainer.batch import make_forward, to_device, window_weights
 from fastdist.trainer.precision import Precision
@@ -224,7 +225,15 @@ def test_callback_list_runs_all_then_master(is_master: bool) -> None:
     ],
 )
 def test_window_weights(n: int, update_every: int, drop_last: bool, expected: list[float]) -> None:
-    assert window_weights(n, 8, update_every, drop_last) == pytest.approx(expected)
+    sizes = [split_batches(n, 8, drop_last)]
+    assert window_weights(sizes, 0, update_every) == pytest.approx(expected)
+
+
+def test_window_weights_of_uneven_ranks() -> None:
+    """Rank 1 has a batch fewer: its filler weighs 0, rank 0's lone batch 2 (DDP halves it)."""
+    sizes = [[8, 8, 8], [8, 8]]
+    assert window_weights(sizes, 0, 2) == [0.5, 0.5, 2.0]
+    assert window_weights(sizes, 1, 2) == [0.5, 0.5, 0.0]
 
 
 @pytest.mark.parametrize("n", range(1, 60, 3))
@@ -232,7 +241,7 @@ def test_window_weights(n: int, update_every: int, drop_last: bool, expected: li
 def test_window_weights_average_each_window(n: int, update_every: int) -> None:
     """Weighted micro-batch means of a window equal the mean over all its samples."""
     losses = torch.rand(n, dtype=torch.float64)
-    weights = window_weights(n, 8, update_every, drop_last=False)
+    weights = window_weights([split_batches(n, 8, drop_last=False)], 0, update_every)
     batches = losses.split(8)
     assert len(weights) == len(batches)
     span = 8 * update_every
