@@ -6,6 +6,7 @@ from fastdist.callbacks.fitlog import FitlogCallback
 from fastdist.callbacks.gradient_clip import GradientClipCallback
 from fastdist.callbacks.json_log import JSONLogCallback
 from fastdist.callbacks.lr_scheduler import LRSchedulerCallback
+from fastdist.callbacks.profiler import ProfilerCallback
 from fastdist.callbacks.tensorboard import TensorBoardCallback
 from fastdist.callbacks.warmup import WarmupCallback
 
@@ -17,6 +18,7 @@ __all__ = [
     "GradientClipCallback",
     "JSONLogCallback",
     "LRSchedulerCallback",
+    "ProfilerCallback",
     "TensorBoardCallback",
     "WarmupCallback",
 ]

@@ -26,9 +26,12 @@ class JSONLogCallback(Callback):
     * ``kind="train"`` every ``print_every`` updates, when the trainer logs the training
       loss: ``step`` (``global_step``), ``epoch``, ``loss`` (mean over all ranks since the
       previous one), ``lr`` (first parameter group), ``time``
-      (seconds since training began) and ``samples_per_s``: the nominal global batch
+      (seconds since training began), ``samples_per_s``: the nominal global batch
       (``batch_size_per_gpu * world_size * update_every``) times the updates since the
-      previous ``"train"`` record, over the seconds since then spent outside evaluation;
+      previous ``"train"`` record, over the seconds since then spent outside evaluation, and
+      ``ranks``: one dict per rank of its mean time per update since the previous log step
+      (``rank``, ``update_ms``, ``data_ms``, ``compute_ms``, ``collective_ms``; see
+      :mod:`fastdist.trainer.timing`);
     * ``kind="eval"`` after every evaluation: ``step``, ``epoch``, ``time``, ``is_better`` and
       every key of the result (``acc``...);
     * ``kind="end"`` when training ends: ``best_eval``, ``best_epoch``, ``best_step``,
@@ -160,6 +163,7 @@ class JSONLogCallback(Callback):
             lr=float(self.trainer.optimizer.param_groups[0]["lr"]),
             time=now - self._start,
             samples_per_s=samples / seconds if seconds > 0 else None,
+            ranks=state.rank_times,
         )
 
     def _elapsed(self) -> float:

@@ -25,7 +25,9 @@ class TensorBoardCallback(Callback):
 
     * ``train/loss`` (mean over all ranks since the previous point) and ``train/lr`` (one
       per parameter group: ``train/lr``, ``train/lr_1``, ...) every ``print_every`` updates,
-      when the trainer reduces the loss;
+      when the trainer reduces the loss, and with them every rank's time per update since
+      the previous point, ``time/<part>_ms/rank<R>`` for ``update``, ``data``, ``compute`` and
+      ``collective`` (see :mod:`fastdist.trainer.timing`);
     * ``dev/<key>`` for every key of every evaluation result, and ``best/<key>`` whenever
       the result is the best so far;
     * the hyper-parameters (world size, global batch, every trainer option, the optimizer,
@@ -105,6 +107,11 @@ class TensorBoardCallback(Callback):
         for i, group in enumerate(trainer.optimizer.param_groups):
             tag = "train/lr" if i == 0 else f"train/lr_{i}"
             self.writer.add_scalar(tag, float(group["lr"]), state.global_step)
+        for times in state.rank_times or ():
+            rank = times["rank"]
+            for part in ("update", "data", "compute", "collective"):
+                tag = f"time/{part}_ms/rank{rank}"
+                self.writer.add_scalar(tag, times[f"{part}_ms"], state.global_step)
 
     def on_valid_end(self, eval_result: dict[str, float], metric_key: str, is_better: bool) -> None:
         if self.writer is None:

@@ -44,6 +44,7 @@ class TrainerConfig:
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     prefetch_factor: int | None = None
+    slow_rank_threshold: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("batch_size_per_gpu", "n_epochs", "update_every", "print_every"):
@@ -78,6 +79,12 @@ class TrainerConfig:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
         if self.prefetch_factor is not None:
             _check_int("prefetch_factor", self.prefetch_factor, minimum=1)
+        threshold = self.slow_rank_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold < 0:
+            raise ValueError(
+                f"slow_rank_threshold must be a number >= 0 (0.1: warn when a rank is 10% slower "
+                f"than the median; 0: off), got {threshold!r}"
+            )
         if self.on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {self.on_nonfinite!r}")
         if self.on_nonfinite == "skip" and self.average_every:

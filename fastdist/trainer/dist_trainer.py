@@ -33,7 +33,7 @@ from fastdist.logging import logger
 from fastdist.losses import as_loss_fn
 from fastdist.strategies import check_strategy_inputs, make_strategy
 from fastdist.trainer import validation
-from fastdist.trainer.batch import eval_mode, make_forward, to_device, window_weights
+from fastdist.trainer.batch import eval_mode, make_forward, window_weights
 from fastdist.trainer.best_model import BestModel
 from fastdist.trainer.checkpoint import set_rng_state
 from fastdist.trainer.checkpointer import (
@@ -51,6 +51,7 @@ from fastdist.trainer.preemption import SigtermFlag
 from fastdist.trainer.progress import Progress
 from fastdist.trainer.safety import all_finite, check_even_shards, check_in_sync, failing_ranks
 from fastdist.trainer.state import TrainerState
+from fastdist.trainer.timing import RankTimer, SlowRankReport
 
 
 class DistTrainer:
@@ -129,6 +130,10 @@ class DistTrainer:
             of the model's ``nn.ModuleList``s.
         reshard_after_forward, cpu_offload: ``"fsdp"`` options: free gathered parameters
             after each block's forward; keep shards and optimizer state in host memory (CUDA).
+        slow_rank_threshold: rank 0 warns when a rank's time per update (data loading +
+            compute, see :mod:`fastdist.trainer.timing`) exceeds the median over ranks by more
+            than this fraction; 0 turns the warning off (the per-rank figures are still
+            recorded in ``state.rank_times``, ``log.jsonl`` and TensorBoard).
 
     Example:
         >>> trainer = DistTrainer(train_data, model, optimizer, loss=CrossEntropyLoss(),
@@ -188,6 +193,7 @@ class DistTrainer:
         fsdp_wrap: Sequence[type[nn.Module]] | None = None,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
+        slow_rank_threshold: float = 0.1,
     ) -> None:
         # 1. Validate everything, identically on every rank, before any collective.
         self.config = cfg = TrainerConfig(
@@ -221,6 +227,7 @@ class DistTrainer:
             reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload,
             prefetch_factor=prefetch_factor,
+            slow_rank_threshold=slow_rank_threshold,
         )
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -322,6 +329,8 @@ class DistTrainer:
         self.weights: list[float] = []  # loss weight of each micro-batch of this epoch's pass
         self._resume_rng: dict[str, Any] | None = None
         self.losses = LossTracker(self.device)
+        self.timer = RankTimer(self.device, self.rank, self.world_size)
+        self.slow_ranks = SlowRankReport(cfg.slow_rank_threshold, show=self.is_master)
         self.progress = Progress(show=False, use_tqdm=False, total=0, initial=0, global_batch=0)
         self.sigterm = SigtermFlag()  # watched during train(); agreed at sync points
         self.preempted = False  # a SIGTERM agreed by all ranks
@@ -386,13 +395,14 @@ class DistTrainer:
         )
         self.losses.reset(self.state.global_step)
         try:
-            with self.sigterm.watching():
+            with self.sigterm.watching(), self.timer.hooked(self.model):
                 self._loop()
             if self.preempted:
                 self._save_checkpoint()
                 logger.warning("pre-empted: checkpoint written at step %d", self.state.global_step)
                 raise SystemExit(self.PREEMPTED_EXIT_CODE)
             self._sync(check_model=True)  # the last updates' losses and the final weights
+            self.slow_ranks.summary()
             if cfg.check_sync_every:
                 check_in_sync(self.model, self.state.global_step, self.group)
             if cfg.load_best_model and self.state.best_eval is not None:
@@ -425,12 +435,13 @@ class DistTrainer:
             state.epoch = epoch
             self.board.publish(epoch=epoch, step=state.global_step, phase="train")
             callbacks.on_epoch_begin()
-            for batch_idx, batch in enumerate(self._epoch_batches(epoch)):
+            # The timer times next() and the copy to the device as the data wait.
+            batches = self.timer.batches(self._epoch_batches(epoch), self.device)
+            for batch_idx, batch in enumerate(batches):
                 state.batch_idx = batch_idx
                 state.is_update = self._ends_window(batch_idx)
                 share = self.weights[batch_idx]
                 state.is_filler = share == 0.0  # keeps a shorter shard in step; trains nothing
-                batch = to_device(batch, self.device)
                 callbacks.on_batch_begin(batch)
                 # Only the last micro-batch of a window all-reduces gradients.
                 with contextlib.nullcontext() if state.is_update else self.strategy.no_sync():
@@ -443,6 +454,7 @@ class DistTrainer:
                     self.precision.backward(loss if weight == 1.0 else loss * weight)
                 if state.is_update:  # (sum, count) losses: divide by the update's global count
                     self.losses.normalize(self.model, self.world_size, self.group)
+                self.timer.backward_done(state.is_update)  # splits off the all-reduce wait
                 callbacks.on_backward_end()
                 if state.is_update and self._optimizer_step():
                     if state.global_step % cfg.print_every == 0:
@@ -543,7 +555,10 @@ class DistTrainer:
         self.state.stop_requested = True
 
     def _sync(self, log_loss: bool = False, check_model: bool = False) -> bool:
-        """Agree on stopping, check the losses (and the model): one all-reduce of 5 numbers.
+        """Agree on stopping, check the losses (and the model), share the ranks' timings.
+
+        One all-reduce of ``5 + 3 * world_size`` numbers: the loss sum and count, three flags
+        and every rank's time split (each rank fills its own slot, see ``timing.py``).
 
         Every rank raises ``FloatingPointError`` if some rank's loss since the last log step
         was NaN/Inf (``on_nonfinite="raise"``) or, with ``check_model``, some rank's parameters
@@ -554,11 +569,18 @@ class DistTrainer:
         self.board.publish(step=state.global_step, phase="sync")
         bad_model = check_model and not all_finite(p.detach() for p in self.model.parameters())
         flags = [float(state.stop_requested), float(self.sigterm.received), float(bad_model)]
+        numbers = flags + self.timer.payload()
         stats = torch.cat(
-            [self.losses.pending(), torch.tensor(flags, dtype=torch.float64, device=self.device)]
+            [self.losses.pending(), torch.tensor(numbers, dtype=torch.float64, device=self.device)]
         )
-        loss_sum, count, stop, sigterm, bad_models = all_reduce_sum(stats, self.group).tolist()
+        with self.timer.collective_wait():
+            reduced = all_reduce_sum(stats, self.group).tolist()
+        loss_sum, count, stop, sigterm, bad_models = reduced[:5]
         self.board.move(phase="train")
+        timings = self.timer.received(reduced[5:])
+        if timings is not None:
+            state.rank_times = [t.as_dict() for t in timings[0]]
+            self.slow_ranks.observe(*timings, state.global_step)
         if bad_models or (self.config.on_nonfinite == "raise" and not math.isfinite(loss_sum)):
             self._raise_nonfinite(bad_model)
         if log_loss and count:
@@ -643,7 +665,8 @@ class DistTrainer:
             return
         self._sync(check_model=True)  # a model with NaN/Inf weights is neither scored nor kept
         self.callbacks.on_valid_begin()
-        result = self.evaluate(self.dev_data)
+        with self.timer.paused():
+            result = self.evaluate(self.dev_data)
         state = self.state
         value = result[self.metric_key]
         best = None if state.best_eval is None else state.best_eval[self.metric_key]
@@ -667,7 +690,8 @@ class DistTrainer:
         """Write a checkpoint (if checkpointing is on) of a model checked to be finite."""
         if self.checkpointer.dir is not None:
             self._sync(check_model=True)
-            self.checkpointer.save(self)
+            with self.timer.paused():
+                self.checkpointer.save(self)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs, as tensors and plain data (``weights_only`` loads)."""

@@ -31,6 +31,10 @@ class TrainerState:
         eval_result: the latest evaluation result, e.g. ``{"acc": 0.93}``.
         best_eval: the best evaluation result so far, with ``best_epoch`` and ``best_step``.
         stop_requested: set by :meth:`DistTrainer.request_stop`; agreed across ranks.
+        rank_times: every rank's mean time per update since the previous log step (or
+            evaluation, checkpoint), one dict per rank: ``rank``, ``update_ms`` (data +
+            compute), ``data_ms``, ``compute_ms``, ``collective_ms``; see
+            :mod:`fastdist.trainer.timing`.
     """
 
     epoch: int = 0
@@ -50,6 +54,7 @@ class TrainerState:
     best_epoch: int | None = None
     best_step: int | None = None
     stop_requested: bool = False
+    rank_times: list[dict[str, float]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,322 @@
+"""Where each rank's time goes between log steps, and which rank slows the others down.
+
+Every rank splits its time per optimizer update into three parts, from host timestamps
+(``time.perf_counter``) that need no device synchronisation on the hot path:
+
+* **data**: blocked in ``next()`` on the DataLoader iterator plus the copy to the device;
+* **collective**: waiting for the others: from the moment this rank's last gradient is
+  accumulated (a post-accumulate-grad hook per parameter) to the end of ``backward()`` of an
+  update, where DDP waits for its gradient all-reduce; plus the trainer's own all-reduces
+  (the loss count of ``(sum, count)`` losses, the log-step sync). A fast rank spends the
+  slow rank's extra time here;
+* **compute**: everything else the training loop does: forward, backward, optimizer step,
+  callbacks. Evaluation and checkpoint writing are not counted at all.
+
+A rank's **update time** is data + compute: its own work, without waiting for the others.
+In synchronous data parallelism every rank's wall time per update is the same (the gradient
+all-reduce lines them up), so the wall time cannot tell which rank is slow; the own time can.
+
+Limits, said plainly: DDP starts bucket all-reduces during backward; the part that overlaps
+computation costs nothing and is counted as compute; only the wait after the last gradient is
+collective. Collectives hidden elsewhere are compute: DDP's buffer broadcast at the start of
+the forward (models with buffers), post-local SGD's parameter averaging in the step, FSDP's
+all-gathers. On CUDA the host runs ahead of the device, so host timestamps show where the
+host waited: at the log step the device is synchronised once and that wait is counted as
+collective (the device's work, gradient all-reduce included, that the host did not wait for);
+data time stays exact, so a slow data loader is still named, but a slow GPU is not.
+
+The log-step all-reduce carries every rank's figures: each rank writes its three numbers into
+its own slot of a ``3 * world_size`` vector (zeros elsewhere) and the sum gives every rank all
+of them, with no collective of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastdist.logging import logger
+from fastdist.trainer.batch import to_device
+
+#: Figures per rank in the log-step all-reduce: data, compute, collective (seconds/update).
+FIELDS = 3
+#: A rank this much slower per update than the median or less is never reported, whatever the
+#: threshold: differences below a millisecond are scheduler noise on a shared machine.
+MIN_EXCESS_S = 0.001
+
+
+@dataclass(frozen=True)
+class RankTime:
+    """One rank's mean seconds per optimizer update over a log interval."""
+
+    rank: int
+    data: float
+    compute: float
+    collective: float
+
+    @property
+    def update(self) -> float:
+        """This rank's own time per update: data + compute, not waiting for the others."""
+        return self.data + self.compute
+
+    def as_dict(self) -> dict[str, float]:
+        """Milliseconds, as ``log.jsonl`` and TensorBoard record them."""
+        return {
+            "rank": self.rank,
+            "update_ms": round(self.update * 1e3, 3),
+            "data_ms": round(self.data * 1e3, 3),
+            "compute_ms": round(self.compute * 1e3, 3),
+            "collective_ms": round(self.collective * 1e3, 3),
+        }
+
+
+class RankTimer:
+    """This rank's data/compute/collective seconds since the last read (see module docstring).
+
+    The loop wraps its batches in :meth:`batches`, calls :meth:`backward_done` after each
+    backward and runs its collectives in :meth:`collective`; evaluation and checkpoints run in
+    :meth:`paused`. Every interval between two marks is compute unless said otherwise.
+    """
+
+    def __init__(self, device: torch.device, rank: int, world_size: int) -> None:
+        self.device, self.rank, self.world_size = device, rank, world_size
+        self.data = self.compute = self.collective = 0.0
+        self.updates = 0  # update micro-batches since the last read
+        self._mark = time.perf_counter()  # end of the last measured interval
+        self._grads_ready = 0.0  # when this rank's last gradient was accumulated
+        self._sent_updates = 0
+
+    @contextlib.contextmanager
+    def hooked(self, model: nn.Module) -> Iterator[None]:
+        """Stamp every gradient accumulation of ``model`` while training (several ranks only)."""
+        if self.world_size == 1:  # nothing to wait for
+            yield
+            return
+        handles = [
+            p.register_post_accumulate_grad_hook(self._stamp_grad)
+            for p in model.parameters()
+            if p.requires_grad
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _stamp_grad(self, param: torch.Tensor) -> None:
+        self._grads_ready = time.perf_counter()
+
+    def batches(self, batches: Iterable[Any], device: torch.device) -> Iterator[Any]:
+        """Yield ``batches`` moved to ``device``, timing ``next()`` and the copy as data wait."""
+        iterator = iter(batches)
+        self._mark = time.perf_counter()  # what ran between epochs (evaluation...) is not counted
+        while True:
+            start = time.perf_counter()
+            self.compute += start - self._mark  # the previous micro-batch's step and callbacks
+            try:
+                batch = to_device(next(iterator), device)
+            except StopIteration:
+                return
+            self._mark = time.perf_counter()
+            self.data += self._mark - start
+            yield batch
+
+    def backward_done(self, is_update: bool) -> None:
+        """After backward: split off the wait for the gradient all-reduce of an update."""
+        now = time.perf_counter()
+        ready = self._grads_ready
+        if is_update:
+            self.updates += 1
+            if ready > self._mark:  # this backward's gradients were stamped (DDP runs)
+                self.compute += ready - self._mark
+                self.collective += now - ready
+                self._mark = now
+                return
+        self.compute += now - self._mark
+        self._mark = now
+
+    @contextlib.contextmanager
+    def collective_wait(self) -> Iterator[None]:
+        """Count the time inside as waiting in a collective."""
+        with self._segment() as span:
+            yield
+        self.collective += span[0]
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the time inside out (evaluation, checkpoint writing)."""
+        with self._segment():
+            yield
+
+    @contextlib.contextmanager
+    def _segment(self) -> Iterator[list[float]]:
+        start = time.perf_counter()
+        self.compute += start - self._mark
+        span = [0.0]
+        try:
+            yield span
+        finally:
+            self._mark = time.perf_counter()
+            span[0] = self._mark - start
+
+    def payload(self) -> list[float]:
+        """This rank's slot of the per-rank vector (zeros elsewhere); resets the interval.
+
+        All zeros when no update ran since the last read (then nothing is reset). On CUDA
+        the device is synchronised first, and that wait counted as collective.
+        """
+        values = [0.0] * (FIELDS * self.world_size)
+        if not self.updates:
+            return values
+        if self.device.type == "cuda":
+            with self.collective_wait():
+                torch.cuda.synchronize(self.device)
+        n = self.updates
+        slot = FIELDS * self.rank
+        values[slot : slot + FIELDS] = [self.data / n, self.compute / n, self.collective / n]
+        self._sent_updates = n
+        self.data = self.compute = self.collective = 0.0
+        self.updates = 0
+        return values
+
+    def received(self, values: list[float]) -> tuple[list[RankTime], int] | None:
+        """Every rank's figures from the summed vector, and the updates they cover."""
+        sent, self._sent_updates = self._sent_updates, 0
+        if not sent:  # every rank ran the same updates: all sent zeros
+            return None
+        return [
+            RankTime(rank, *values[FIELDS * rank : FIELDS * (rank + 1)])
+            for rank in range(self.world_size)
+        ], sent
+
+
+@dataclass(frozen=True)
+class Slow:
+    """A rank found slower than the median, and why."""
+
+    rank: int
+    excess: float  # 0.42: 42% slower than the median update time
+    cause: str  # "data loading" or "compute"
+    part: float  # seconds per update of the cause
+    update: float  # the rank's update time
+
+    def describe(self, verb: str = "is") -> str:
+        return (
+            f"rank {self.rank} {verb} {self.excess:.0%} slower than the median: "
+            f"{self.cause} {self.part * 1e3:.0f} ms of {self.update * 1e3:.0f} ms per update"
+        )
+
+
+def find_slow(times: list[RankTime], threshold: float) -> list[Slow]:
+    """Ranks whose update time exceeds the median by more than ``threshold`` (and 1 ms).
+
+    The cause is the part (data loading or compute) that exceeds its own median the most.
+
+    Example:
+        >>> find_slow([RankTime(0, 0.001, 0.007, 0.03), RankTime(1, 0.031, 0.007, 0.0)], 0.1)
+        [Slow(rank=1, excess=0.652..., cause='data loading', part=0.031, update=0.038)]
+    """
+    median = statistics.median(t.update for t in times)
+    median_data = statistics.median(t.data for t in times)
+    median_compute = statistics.median(t.compute for t in times)
+    slow = []
+    for t in times:
+        if t.update - median > max(threshold * median, MIN_EXCESS_S):
+            data_excess, compute_excess = t.data - median_data, t.compute - median_compute
+            cause, part = (
+                ("data loading", t.data)
+                if data_excess >= compute_excess
+                else ("compute", t.compute)
+            )
+            excess = t.update / median - 1 if median > 0 else math.inf
+            slow.append(Slow(t.rank, excess, cause, part, t.update))
+    return slow
+
+
+class SlowRankReport:
+    """Rank 0's WARNINGs about slow ranks: when one appears, when it changes, at the end.
+
+    The first log interval (imports, allocator and loader warm-up) is recorded but not
+    judged. The end summary judges the mean over the judged intervals, weighted by updates.
+
+    Args:
+        threshold: report a rank whose update time exceeds the median by more than this
+            fraction (0.1: 10%); 0 turns the report off.
+        show: whether this process logs (rank 0).
+    """
+
+    def __init__(self, threshold: float, show: bool) -> None:
+        self.threshold, self.show = threshold, show
+        self.seen_first = False
+        self.current: tuple[tuple[int, str], ...] = ()  # (rank, cause) of the last report
+        self.totals: list[list[float]] = []  # per rank: data, compute, collective x updates
+        self.updates = 0
+        self.slow_intervals: dict[int, int] = {}  # rank -> judged intervals it was slow in
+        self.intervals = 0
+        self.first_step: int | None = None  # the first update judged
+        self.last_step = 0  # the step of the last figures seen
+
+    def observe(self, times: list[RankTime], updates: int, step: int) -> None:
+        """Judge one interval's figures (``updates`` updates, ending at ``step``)."""
+        previous, self.last_step = self.last_step, step
+        if not self.seen_first:
+            self.seen_first = True
+            return
+        if not self.threshold or len(times) < 2:
+            return
+        if not self.totals:
+            self.totals = [[0.0] * FIELDS for _ in times]
+        for total, t in zip(self.totals, times, strict=True):
+            for i, value in enumerate((t.data, t.compute, t.collective)):
+                total[i] += value * updates
+        self.updates += updates
+        self.intervals += 1
+        self.first_step = previous + 1 if self.first_step is None else self.first_step
+        slow = find_slow(times, self.threshold)
+        for s in slow:
+            self.slow_intervals[s.rank] = self.slow_intervals.get(s.rank, 0) + 1
+        key = tuple((s.rank, s.cause) for s in slow)
+        if key != self.current and self.show:
+            if slow:
+                logger.warning("%s (step %d)", "; ".join(s.describe() for s in slow), step)
+            else:
+                percent = 100 * self.threshold
+                logger.info("no rank is more than %.0f%% slower now (step %d)", percent, step)
+        self.current = key
+
+    def summary(self) -> None:
+        """Log the run's verdict: the slow ranks over all judged intervals, or none."""
+        if not (self.show and self.updates):
+            return
+        times = [
+            RankTime(rank, *(value / self.updates for value in total))
+            for rank, total in enumerate(self.totals)
+        ]
+        slow = find_slow(times, self.threshold)
+        span = f"updates {self.first_step}-{self.last_step}"
+        if slow:
+            logger.warning(
+                "slow ranks over %s: %s",
+                span,
+                "; ".join(
+                    f"{s.describe('was')} (slow in {self.slow_intervals.get(s.rank, 0)} of "
+                    f"{self.intervals} log intervals)"
+                    for s in slow
+                ),
+            )
+            return
+        median = statistics.median(t.update for t in times)
+        logger.info(
+            "no rank more than %.0f%% slower than the median over %s (median update time %.1f ms)",
+            100 * self.threshold,
+            span,
+            median * 1e3,
+        )

@@ -1,0 +1,215 @@
+"""Per-rank timings, the slow-rank report and ProfilerCallback.
+
+Real trainings (tests/workers/timing_worker.py, torchrun with 2 processes and one plain
+process) where rank 1's collate_fn sleeps 30 ms per batch, and in-process checks of the timer
+and of the report's logic.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launch import Result, run_ranks
+
+from fastdist.callbacks import ProfilerCallback
+from fastdist.logging import logger
+from fastdist.trainer.config import TrainerConfig
+from fastdist.trainer.timing import RankTime, RankTimer, SlowRankReport, find_slow
+
+WORKER = Path(__file__).resolve().parent / "workers" / "timing_worker.py"
+UPDATES, PRINT_EVERY = 12, 2  # as in the worker
+LOG_STEPS = list(range(PRINT_EVERY, UPDATES + 1, PRINT_EVERY))
+PARTS = {"rank", "update_ms", "data_ms", "compute_ms", "collective_ms"}
+
+
+@dataclass
+class World:
+    size: int
+    out: Path
+    result: Result
+    ranks: list[dict[str, Any]]
+
+    def train_records(self) -> list[dict[str, Any]]:
+        lines = (self.out / "slow" / "log.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+WORLDS = {"torchrun-2": (True, 2), "python-1": (False, 1)}
+
+
+@pytest.fixture(scope="module", params=list(WORLDS))
+def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> World:
+    torchrun, size = WORLDS[request.param]
+    out = tmp_path_factory.mktemp(request.param)
+    result, ranks = run_ranks(WORKER, size, [str(out)], out, torchrun=torchrun)
+    return World(size, out, result, ranks)
+
+
+@pytest.mark.slow
+def test_log_jsonl_holds_every_ranks_figures_at_each_log_step(world: World) -> None:
+    records = world.train_records()
+    assert [r["step"] for r in records] == LOG_STEPS
+    for record in records:
+        ranks = record["ranks"]
+        assert [r["rank"] for r in ranks] == list(range(world.size)), record
+        for r in ranks:
+            assert set(r) == PARTS
+            assert r["update_ms"] == pytest.approx(r["data_ms"] + r["compute_ms"], abs=0.002)
+            assert min(r[p] for p in PARTS) >= 0
+    if world.size == 2:  # rank 1 sleeps 30 ms per update in its collate_fn
+        for record in records:
+            fast, slow = record["ranks"]
+            assert slow["data_ms"] >= 29, record
+            assert slow["update_ms"] > fast["update_ms"], record
+        # Rank 0 spends rank 1's extra time waiting for it (the gradient all-reduce).
+        mean_wait = sum(r["ranks"][0]["collective_ms"] for r in records) / len(records)
+        assert mean_wait >= 20, records
+    final = world.ranks[0]["slow"]["rank_times"]
+    assert [r["rank"] for r in final] == list(range(world.size))
+
+
+@pytest.mark.slow
+def test_the_slow_rank_is_named_with_its_cause(world: World) -> None:
+    output = world.result.output
+    warnings = [line for line in output.splitlines() if "slower than the median" in line]
+    if world.size == 1:
+        assert not warnings, output
+        return
+    assert warnings, world.result.describe()
+    for line in warnings:
+        assert "WARNING [rank 0]" in line and "rank 1 " in line, line
+        assert "data loading" in line and "rank 0 is" not in line, line
+    # One when it starts, none while it stays the same, and a summary at the end.
+    starts = [line for line in warnings if " is " in line]
+    assert len(starts) == 1, warnings
+    assert any("slow ranks over updates" in line and "rank 1 was" in line for line in warnings)
+
+
+@pytest.mark.slow
+def test_the_timings_cost_no_extra_collective(world: World) -> None:
+    # One all-reduce per log step, one before the epoch-end checkpoint, one after training:
+    # the timings ride on them (the count is the same as before they existed).
+    for rank, data in enumerate(world.ranks):
+        slow = data["slow"]
+        assert slow["steps"] == UPDATES
+        if world.size > 1:
+            assert slow["other_all_reduces"] == len(LOG_STEPS) + 2, f"rank {rank}"
+
+
+@pytest.mark.slow
+def test_the_profiler_writes_a_trace_per_rank(world: World) -> None:
+    for rank, data in enumerate(world.ranks):
+        path = Path(data["profile"]["trace"])
+        assert path == world.out / "profile" / f"rank{rank}.pt.trace.json"
+        trace = json.loads(path.read_text())
+        names = {event.get("name") for event in trace["traceEvents"]}
+        assert any(str(name).startswith("ProfilerStep#") for name in names), sorted(names)[:20]
+        assert not data["profile"]["open"]
+    assert "profile of 2 updates" in world.result.output
+    assert "Self CPU" in world.result.output  # rank 0's top-operators table
+
+
+# ----- in-process: the timer, the report's logic, the arguments -----
+
+
+def test_each_rank_fills_its_own_slot() -> None:
+    timer = RankTimer(torch.device("cpu"), rank=1, world_size=3)
+    assert timer.payload() == [0.0] * 9, "no update yet: zeros, nothing reset"
+
+    def slow_batches() -> Iterator[int]:
+        for i in range(2):
+            time.sleep(0.02)
+            yield i
+
+    for _batch in timer.batches(slow_batches(), torch.device("cpu")):
+        time.sleep(0.01)  # "compute"
+        timer.backward_done(is_update=True)
+    with timer.collective_wait():
+        time.sleep(0.01)
+    values = timer.payload()
+    assert values[:3] == [0.0] * 3 and values[6:] == [0.0] * 3
+    data, compute, collective = values[3:6]
+    assert data >= 0.02 and compute >= 0.01 and collective >= 0.005
+    received = timer.received([0.0] * 3 + values[3:6] + [0.0] * 3)
+    assert received is not None
+    times, updates = received
+    assert updates == 2 and times[1] == RankTime(1, data, compute, collective)
+    assert timer.payload() == [0.0] * 9, "the interval was reset"
+
+
+def test_find_slow_names_the_rank_and_the_part() -> None:
+    ms = 1e-3
+    times = [RankTime(0, 1 * ms, 7 * ms, 30 * ms), RankTime(1, 31 * ms, 7 * ms, 0.0)]
+    (slow,) = find_slow(times, 0.1)
+    assert (slow.rank, slow.cause) == (1, "data loading")
+    assert slow.describe() == (
+        "rank 1 is 65% slower than the median: data loading 31 ms of 38 ms per update"
+    )
+    times = [RankTime(r, ms, 10 * ms, 0.0) for r in range(3)] + [RankTime(3, ms, 15 * ms, 0.0)]
+    (slow,) = find_slow(times, 0.1)
+    assert (slow.rank, slow.cause, slow.excess) == (3, "compute", pytest.approx(16 / 11 - 1))
+    assert find_slow(times, 0.5) == [], "45% is under a 50% threshold"
+    tiny = [RankTime(0, 0.0, 0.1 * ms, 0.0), RankTime(1, 0.0, 0.5 * ms, 0.0)]
+    assert find_slow(tiny, 0.1) == [], "under 1 ms per update is noise"
+
+
+@pytest.fixture
+def log_lines() -> Iterator[list[str]]:
+    """Messages fastdist's logger emits meanwhile (it does not propagate to caplog)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(f"{record.levelname} {record.getMessage()}")
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)
+
+
+def test_the_report_warns_when_it_starts_and_changes_and_sums_up(log_lines: list[str]) -> None:
+    ms = 1e-3
+    even = [RankTime(0, ms, 10 * ms, 0.0), RankTime(1, ms, 10 * ms, 0.0)]
+    slow_data = [RankTime(0, ms, 10 * ms, 30 * ms), RankTime(1, 31 * ms, 10 * ms, 0.0)]
+    slow_compute = [RankTime(0, ms, 10 * ms, 9 * ms), RankTime(1, ms, 20 * ms, 0.0)]
+    report = SlowRankReport(0.1, show=True)
+    for step, times in enumerate([slow_data, slow_data, slow_data, slow_compute, even], 1):
+        report.observe(times, updates=2, step=2 * step)
+    report.summary()
+    assert [line.split(":")[0] for line in log_lines] == [
+        "WARNING rank 1 is 58% slower than the median",  # step 4: the first is not judged
+        "WARNING rank 1 is 31% slower than the median",  # the cause changed
+        "INFO no rank is more than 10% slower now (step 10)",
+        "WARNING slow ranks over updates 3-10",
+    ]
+    assert "data loading 31 ms of 41 ms per update (step 4)" in log_lines[0]
+    assert "compute 20 ms of 21 ms" in log_lines[1]
+    assert "rank 1 was" in log_lines[3] and "slow in 3 of 4 log intervals" in log_lines[3]
+
+
+def test_threshold_zero_and_other_ranks_stay_quiet(log_lines: list[str]) -> None:
+    ms = 1e-3
+    slow = [RankTime(0, ms, ms, 30 * ms), RankTime(1, 31 * ms, ms, 0.0)]
+    for report in (SlowRankReport(0.0, show=True), SlowRankReport(0.1, show=False)):
+        for step in (2, 4, 6):
+            report.observe(slow, updates=2, step=step)
+        report.summary()
+    assert log_lines == []
+
+
+@pytest.mark.parametrize("bad", [-0.1, "10%", True, None])
+def test_a_bad_threshold_is_refused(bad: Any) -> None:
+    with pytest.raises(ValueError, match="slow_rank_threshold must be a number >= 0"):
+        TrainerConfig(slow_rank_threshold=bad)
+
+
+def test_a_bad_profiler_window_is_refused() -> None:
+    with pytest.raises(ValueError, match="active must be an integer >= 1"):
+        ProfilerCallback(active=0)
+    with pytest.raises(ValueError, match="wait must be an integer >= 0"):
+        ProfilerCallback(wait=-1)
