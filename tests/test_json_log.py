@@ -107,7 +107,9 @@ def test_a_train_record_per_logged_loss(run: Run) -> None:
         assert round(record["loss"], 4) == pytest.approx(loss, abs=1e-4)
         assert record["lr"] == pytest.approx(0.1)
         assert record["samples_per_s"] > 0
-        assert set(record) == {"kind", "step", "epoch", "loss", "lr", "time", "samples_per_s"}
+        keys = {"kind", "step", "epoch", "loss", "lr", "time", "samples_per_s", "ranks"}
+        assert set(record) == keys
+        assert [r["rank"] for r in record["ranks"]] == list(range(run.size))
 
 
 @pytest.mark.slow

@@ -40,7 +40,9 @@ def test_scalars_and_hparams_are_written(tmp_path: Path) -> None:
     events = read_events(tmp_path / "tb")
     scalars = set(events.Tags()["scalars"])
     expected = {"train/loss", "train/lr", "dev/acc", "best/acc", "hparam/best_acc"}
-    assert expected | {"hparam/final_loss"} == scalars
+    times = {f"time/{part}_ms/rank0" for part in ("update", "data", "compute", "collective")}
+    assert expected | times | {"hparam/final_loss"} == scalars
+    assert steps(events, "time/update_ms/rank0") == TRAIN_STEPS
     assert steps(events, "train/loss") == TRAIN_STEPS
     assert steps(events, "train/lr") == TRAIN_STEPS
     assert all(event.value == pytest.approx(0.05) for event in events.Scalars("train/lr"))
