@@ -20,6 +20,8 @@ import torch
 from launch import Result, run_ranks
 
 from fastdist.callbacks import ProfilerCallback
+from fastdist.cli import main
+from fastdist.cli.plot import load_run, rank_series
 from fastdist.logging import logger
 from fastdist.trainer.config import TrainerConfig
 from fastdist.trainer.timing import RankTime, RankTimer, SlowRankReport, find_slow
@@ -213,3 +215,15 @@ def test_a_bad_profiler_window_is_refused() -> None:
         ProfilerCallback(active=0)
     with pytest.raises(ValueError, match="wait must be an integer >= 0"):
         ProfilerCallback(wait=-1)
+
+
+@pytest.mark.slow
+def test_plot_draws_every_ranks_update_time(world: World) -> None:
+    records = load_run(world.out / "slow" / "log.jsonl")
+    series = rank_series(records)
+    assert sorted(series) == list(range(world.size))
+    assert all(xs == LOG_STEPS for xs, _ in series.values())
+    pytest.importorskip("matplotlib")
+    png = world.out / "curves.png"
+    assert main(["plot", str(world.out / "slow"), "-o", str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG")

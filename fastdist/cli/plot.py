@@ -2,8 +2,9 @@
 
 Each RUN is a JSON Lines log or a directory holding ``log.jsonl`` (the trainer's ``save_path``).
 The panels show the training loss against the update step and against wall time, every
-evaluation metric against the step, and the throughput (samples/s) against the step, with all
-runs in the same axes, named by their directory (or the file's stem) in the legend. A log that
+evaluation metric against the step, the throughput (samples/s) against the step and each rank's
+update time (data loading + compute, ms) against the step, with all runs in the same axes,
+named by their directory (or the file's stem) in the legend. A log that
 holds several runs (it is appended to) is drawn from its last one. matplotlib is needed only
 here: ``pip install matplotlib`` or ``pip install "fastdist[plot]"``.
 
@@ -180,6 +181,20 @@ def _series(records: list[Record], kind: str, x: str, y: str) -> tuple[list[floa
     return xs, ys
 
 
+def rank_series(records: list[Record]) -> dict[int, tuple[list[float], list[float]]]:
+    """Each rank's ``update_ms`` against the step, from the ``ranks`` of ``"train"`` records."""
+    series: dict[int, tuple[list[float], list[float]]] = {}
+    for record in records:
+        if record.get("kind") != "train" or not _is_number(record.get("step")):
+            continue
+        for times in record.get("ranks") or ():
+            if isinstance(times, dict) and _is_number(times.get("update_ms")):
+                xs, ys = series.setdefault(int(times.get("rank", 0)), ([], []))
+                xs.append(float(record["step"]))
+                ys.append(float(times["update_ms"]))
+    return series
+
+
 def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -225,7 +240,7 @@ def draw(runs: dict[str, list[Record]], output: str | os.PathLike[str], dpi: int
         )
     )
     ncols = 2
-    nrows = math.ceil(len(panels) / ncols)
+    nrows = math.ceil((len(panels) + 1) / ncols)  # + the per-rank update times
     fig = Figure(figsize=(6.4 * ncols, 4.2 * nrows), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
@@ -246,9 +261,28 @@ def draw(runs: dict[str, list[Record]], output: str | os.PathLike[str], dpi: int
             ax.legend(fontsize="small")
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-    for ax in axes[len(panels) :]:
+    _draw_rank_times(axes[len(panels)], runs)
+    for ax in axes[len(panels) + 1 :]:
         ax.set_visible(False)
     directory = os.path.dirname(os.fspath(output))
     if directory:
         os.makedirs(directory, exist_ok=True)
     fig.savefig(output, format="png", dpi=dpi)
+
+
+def _draw_rank_times(ax: Any, runs: dict[str, list[Record]]) -> None:
+    """Per-rank update time: one line per rank of every run (a straggler stands out)."""
+    lines = 0
+    for i, (label, records) in enumerate(runs.items()):
+        for rank, (xs, ys) in sorted(rank_series(records).items()):
+            name = f"{label} rank {rank}" if len(runs) > 1 else f"rank {rank}"
+            ax.plot(xs, ys, "-", color=f"C{(i + rank) % 10}", label=name)
+            lines += 1
+    ax.set_title("per-rank update time (data + compute) vs update step")
+    ax.set_xlabel("update step")
+    ax.set_ylabel("ms per update")
+    ax.grid(True, alpha=0.3)
+    if not lines:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    elif lines <= 16:  # beyond that the legend hides the plot
+        ax.legend(fontsize="small")
