@@ -27,9 +27,11 @@ def to_device(batch: Any, device: torch.device) -> Any:
 @contextlib.contextmanager
 def eval_mode(model: nn.Module, active: bool) -> Iterator[None]:
     """Run in eval mode while ``active`` (a filler: no batch-norm statistics, no dropout)."""
+    if not active:  # the common case: touch nothing (train() walks every module)
+        yield
+        return
     was_training = model.training
-    if active:
-        model.eval()
+    model.eval()
     try:
         yield
     finally:
