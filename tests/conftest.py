@@ -1,4 +1,9 @@
-"""Shared fixtures: a one-process world for in-process tests."""
+"""Shared fixtures (a one-process world for in-process tests) and the ``gpu`` marker's skip.
+
+CPU tests pin themselves to the CPU: in-process ones pass ``device="cpu"``, launched ones see
+no GPU (tests/launch.py). ``@pytest.mark.gpu`` / ``@pytest.mark.gpu(2)`` tests run where CUDA
+shows that many GPUs and are skipped with the reason elsewhere.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 # Import fastdist from this checkout even when it is not installed.
@@ -25,3 +31,16 @@ def no_dist_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     if dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("the test left a process group initialised")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu(n)`` tests, naming why, unless CUDA shows at least ``n`` GPUs."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        needed = marker.args[0] if marker.args else 1
+        if visible < needed:
+            why = "torch.cuda.is_available() is False" if not visible else f"{visible} visible"
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPU(s): {why}"))

@@ -38,6 +38,7 @@ def make_trainer(callback: Callback, **kwargs: Any) -> DistTrainer:
         "batch_size_per_gpu": 4,
         "print_every": 2,
         "use_tqdm": False,
+        "device": "cpu",  # on any machine
     }
     options.update(kwargs)
     return DistTrainer(**options)

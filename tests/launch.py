@@ -1,7 +1,9 @@
 """Launch test worker scripts under torchrun (or as a plain process) with a hard timeout.
 
 Every launch runs in its own session, with ``PYTHONPATH`` set so the worker can ``import
-fastdist`` and import modules from ``tests/``. On timeout every process of the launch is killed
+fastdist`` and import modules from ``tests/``, and with no GPU visible (``CUDA_VISIBLE_DEVICES``
+empty) so that CPU tests run on CPU and gloo on any machine; a GPU test passes ``env=GPU_ENV``.
+On timeout every process of the launch is killed
 (torchrun starts each rank in a session of its own, so killing torchrun's group is not enough)
 and an ``AssertionError`` carries all the output captured so far.
 """
@@ -27,6 +29,10 @@ from fastdist.distributed.env import TORCHRUN_VARS  # a launch starts without th
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
+
+# A launch's ``env`` entry set to None removes the variable: this one shows the GPUs the tests
+# see (all of them, unless CUDA_VISIBLE_DEVICES narrows them already).
+GPU_ENV: dict[str, str | None] = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 # Marks every process of one launch (children inherit it) so a timeout can find them all.
 _TOKEN_VAR = "FASTDIST_TEST_LAUNCH"
@@ -74,7 +80,7 @@ def run_torchrun(
     nproc: int,
     args: Sequence[str] = (),
     timeout: float = 120,
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str | None] | None = None,
     cwd: str | Path | None = None,
     check: bool = True,
 ) -> Result:
@@ -97,7 +103,7 @@ def run_python(
     script: str | Path,
     args: Sequence[str] = (),
     timeout: float = 120,
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str | None] | None = None,
     cwd: str | Path | None = None,
     check: bool = True,
 ) -> Result:
@@ -114,15 +120,16 @@ def run_ranks(
     torchrun: bool,
     cwd: str | Path | None = None,
     timeout: float = 120,
+    env: Mapping[str, str | None] | None = None,
 ) -> tuple[Result, list[dict[str, Any]]]:
     """Run a worker that writes ``out/rank<R>.json`` per rank; return the launch and those.
 
     ``torchrun=False`` runs one plain process (``size`` must be 1).
     """
     if torchrun:
-        result = run_torchrun(script, size, args, timeout=timeout, cwd=cwd)
+        result = run_torchrun(script, size, args, timeout=timeout, env=env, cwd=cwd)
     else:
-        result = run_python(script, args, timeout=timeout, cwd=cwd)
+        result = run_python(script, args, timeout=timeout, env=env, cwd=cwd)
     ranks = []
     for rank in range(size):
         path = out / f"rank{rank}.json"
@@ -137,7 +144,7 @@ def _checked(result: Result, check: bool) -> Result:
     return result
 
 
-def _launch_env(extra: Mapping[str, str] | None, token: str) -> dict[str, str]:
+def _launch_env(extra: Mapping[str, str | None] | None, token: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     path = [str(REPO_ROOT), str(TESTS_DIR)]
     if env.get("PYTHONPATH"):
@@ -146,9 +153,14 @@ def _launch_env(extra: Mapping[str, str] | None, token: str) -> dict[str, str]:
         PYTHONPATH=os.pathsep.join(path),
         PYTHONUNBUFFERED="1",
         OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
         **{_TOKEN_VAR: token},
     )
-    env.update(extra or {})
+    for name, value in (extra or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env
 
 
@@ -157,7 +169,7 @@ class Launch:
     """One command to start: its extra environment and working directory."""
 
     cmd: list[str]
-    env: Mapping[str, str] | None = None
+    env: Mapping[str, str | None] | None = None
     cwd: str | Path | None = None
 
 

@@ -67,4 +67,4 @@ def test_bad_options_are_refused(options: dict, message: str, no_dist_env: None)
     model = nn.Linear(2, 1)
     data = TensorDataset(torch.zeros(4, 2), torch.zeros(4, 1))
     with pytest.raises(ValueError, match=message):
-        DistTrainer(data, model, loss=nn.MSELoss(), **options)
+        DistTrainer(data, model, loss=nn.MSELoss(), **{"device": "cpu", **options})

@@ -10,6 +10,7 @@ from fastdist.distributed.collectives import (
     rank_zero_only,
 )
 from fastdist.distributed.env import (
+    backend_for,
     default_backend,
     get_local_rank,
     get_node_rank,
@@ -24,6 +25,7 @@ from fastdist.distributed.env import (
 __all__ = [
     "all_gather_object",
     "all_reduce_sum",
+    "backend_for",
     "barrier",
     "broadcast_object",
     "broadcast_tensors",

@@ -14,6 +14,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from fastdist.distributed.slurm import apply_slurm_env
 
@@ -66,6 +67,42 @@ def get_local_rank() -> int:
     return _env_int("LOCAL_RANK", 0)
 
 
+def get_local_world_size() -> int:
+    """Processes on this node, as torchrun's ``LOCAL_WORLD_SIZE`` says (else local rank + 1)."""
+    return _env_int("LOCAL_WORLD_SIZE", get_local_rank() + 1)
+
+
+def gpu_shortage(local_rank: int, local_world_size: int, gpu_count: int) -> str | None:
+    """Why the processes of this node cannot each use a GPU of their own; None when they can.
+
+    It looks at node-wide numbers (``LOCAL_WORLD_SIZE``), not only at this rank, so every
+    rank of the node reaches the same verdict and raises alike, before any collective.
+
+    Example:
+        >>> gpu_shortage(local_rank=1, local_world_size=2, gpu_count=1)
+        'LOCAL_WORLD_SIZE=2 processes on this node but 1 visible GPU(s): ...'
+    """
+    needed = max(local_world_size, local_rank + 1)
+    if needed <= gpu_count:
+        return None
+    return (
+        f"LOCAL_WORLD_SIZE={needed} processes on this node but {gpu_count} visible GPU(s), "
+        f"and each process needs its own (cuda:LOCAL_RANK): start at most {gpu_count} per "
+        f"node (torchrun --nproc-per-node={gpu_count}), make more GPUs visible "
+        "(CUDA_VISIBLE_DEVICES), or train on the CPU (device='cpu')"
+    )
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process can use (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def node_gpu_shortage() -> str | None:
+    """:func:`gpu_shortage` for this process's node, from the environment and torch."""
+    return gpu_shortage(get_local_rank(), get_local_world_size(), visible_gpu_count())
+
+
 def get_node_rank() -> int:
     """Index of this process's node (torchrun's ``GROUP_RANK``; 0 on one node)."""
     local_world = _env_int("LOCAL_WORLD_SIZE", get_world_size())
@@ -88,9 +125,20 @@ def is_distributed() -> bool:
 
 
 def default_backend() -> str:
-    """nccl for CUDA tensors plus gloo for CPU tensors when CUDA is usable, else gloo alone."""
-    if torch.cuda.is_available() and dist.is_nccl_available():
+    """nccl for CUDA tensors plus gloo for CPU tensors when every process of the node has a GPU
+    of its own, else gloo alone (which also all-reduces CUDA tensors, e.g. ranks sharing a GPU).
+    """
+    if torch.cuda.is_available() and dist.is_nccl_available() and node_gpu_shortage() is None:
         return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+def backend_for(device: torch.device) -> str:
+    """The trainer's backend: nccl for CUDA when every process of the node has a GPU of its own,
+    else gloo (CPU tensors, or CUDA tensors of ranks sharing a GPU, which nccl refuses).
+    """
+    if device.type == "cuda" and dist.is_nccl_available() and node_gpu_shortage() is None:
+        return "nccl"
     return "gloo"
 
 
@@ -129,18 +177,58 @@ def init_distributed(
         return False
     backend = backend or default_backend()
     if "nccl" in backend:
+        shortage = node_gpu_shortage()
+        if shortage is not None:
+            raise ValueError(f"backend={backend!r}: {shortage}")
         torch.cuda.set_device(get_local_rank())
-    kwargs: dict = {"backend": backend, "init_method": init_method or "env://"}
-    if rank is not None:
-        kwargs["rank"] = rank
-    if world_size is not None:
-        kwargs["world_size"] = world_size
-    if timeout is not None:
-        kwargs["timeout"] = datetime.timedelta(seconds=timeout)
-    dist.init_process_group(**kwargs)
+    url = init_method or "env://"
+    limit = None if timeout is None else datetime.timedelta(seconds=timeout)
+    try:
+        _form_group(backend, url, rank, world_size, limit)
+    except Exception as exc:  # any failure: say where, and how long it waited
+        if url == "env://":
+            url += f" at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        waited = (limit or default_pg_timeout).total_seconds()
+        raise RuntimeError(
+            f"rank {get_rank() if rank is None else rank} could not form the process group "
+            f"(backend {backend}, {url}, torchrun restart {_restart_count()}) within "
+            f"{waited:g} s: {type(exc).__name__}: {exc}. Check that all ranks were started and "
+            "reach the rendezvous address; init_distributed(timeout=...) or DistTrainer's "
+            "timeout= bounds the wait"
+        ) from exc
     # The group is ours: tear it down at exit so torch does not warn about a leaked group.
     atexit.register(_destroy_if_initialized)
     return True
+
+
+def _restart_count() -> int:
+    return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+
+
+def _form_group(
+    backend: str,
+    url: str,
+    rank: int | None,
+    world_size: int | None,
+    timeout: datetime.timedelta | None,
+) -> None:
+    """``init_process_group`` on torch's own rendezvous store for ``url`` under a prefix of
+    the torchrun restart; ``timeout`` (default torch's) bounds every wait, collectives too."""
+    limit = timeout or default_pg_timeout
+    store, rank, world_size = next(
+        dist.rendezvous(
+            url,
+            -1 if rank is None else rank,
+            -1 if world_size is None else world_size,
+            timeout=limit,
+        )
+    )
+    store.set_timeout(limit)
+    # torchrun keeps its store across restarts (the static rendezvous always, c10d unless
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): without the prefix a restarted group can read the
+    # dead workers' gloo addresses ("connectFullMesh ... Connection refused", or a hang).
+    store = dist.PrefixStore(f"fastdist/restart{_restart_count()}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _destroy_if_initialized() -> None:

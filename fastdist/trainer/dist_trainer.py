@@ -20,6 +20,7 @@ from fastdist.callbacks.json_log import JSONLogCallback
 from fastdist.data import TrainBatches
 from fastdist.distributed import (
     all_reduce_sum,
+    backend_for,
     broadcast_object,
     get_rank,
     get_world_size,
@@ -261,9 +262,8 @@ class DistTrainer:
             raise ValueError("ddp_comm_hook='bf16' needs CUDA and NCCL; use 'fp16' with gloo")
 
         # 2. Process group, model placement and the strategy's wrapping.
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
         if get_world_size() > 1:
-            init_distributed(backend=backend)
+            init_distributed(backend=backend_for(self.device), timeout=timeout)
         self.rank, self.world_size = get_rank(), get_world_size()
         self.is_master = self.rank == 0
         install_excepthook()

@@ -9,7 +9,12 @@ import torch
 from torch import nn
 
 from fastdist.callbacks.callback import Callback
-from fastdist.distributed import get_local_rank
+from fastdist.distributed.env import (
+    get_local_rank,
+    get_local_world_size,
+    gpu_shortage,
+    visible_gpu_count,
+)
 from fastdist.metrics import Metric
 from fastdist.metrics_torchmetrics import as_fastdist_metric, is_torchmetrics_metric
 
@@ -105,12 +110,34 @@ def check_enough_samples(n_samples: int, batch_size: int, drop_last: bool) -> No
         )
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
+def resolve_device(device: str | torch.device | None, gpu_count: int | None = None) -> torch.device:
+    """The trainer's device; ``"auto"``/``None``: ``cuda:LOCAL_RANK`` with CUDA, else the CPU.
+
+    Args:
+        device: ``"auto"``, ``None``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``.
+        gpu_count: the visible GPUs; default torch's count (0 without CUDA).
+
+    Raises:
+        ValueError: a CUDA device that is not there, or (``"auto"``/``"cuda"``) more processes
+            on this node than GPUs, which every rank of the node sees alike.
+    """
+    gpu_count = visible_gpu_count() if gpu_count is None else gpu_count
     if device in (None, "auto"):
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
+        resolved = torch.device("cuda" if gpu_count else "cpu")
+    else:
+        resolved = torch.device(device)
+    if resolved.type != "cuda":
+        return resolved
+    if not gpu_count:
         raise ValueError(f"device={device!r} but CUDA is not available here: use device='cpu'")
-    if resolved.type == "cuda" and resolved.index is None:
-        resolved = torch.device("cuda", get_local_rank())
+    if resolved.index is None:
+        shortage = gpu_shortage(get_local_rank(), get_local_world_size(), gpu_count)
+        if shortage is not None:
+            raise ValueError(f"device={device!r}: {shortage}")
+        return torch.device("cuda", get_local_rank())
+    if resolved.index >= gpu_count:
+        raise ValueError(
+            f"device={device!r} but {gpu_count} GPU(s) are visible (cuda:0 to "
+            f"cuda:{gpu_count - 1}): pick one of those or set CUDA_VISIBLE_DEVICES"
+        )
     return resolved
