@@ -158,29 +158,27 @@ def test_killed_run_resumes_exactly(
     assert_matches_straight(straight, tmp_path, config, "resumed", first="first")
 
 
-def run_torchrun_with_restarts(args: list[str], max_restarts: int, timeout: float) -> Result:
-    """``torchrun --max-restarts=N`` (launch.run_torchrun always passes 0)."""
-    options = [
-        "--nnodes=1",
-        # Not --master-addr/--master-port: the static rendezvous gives the workers the agent's
-        # store, the same one after a restart, where the restarted group can read the dead
-        # workers' addresses and fail to connect (pytorch/pytorch#135712, #167288). c10d
-        # rendezvous with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every restart a new store.
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        f"--max-restarts={max_restarts}",
-    ]
-    command = torchrun_command(WORKER, SIZE, args, options)
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    (result,) = run_together([Launch(command, env)], timeout)
+def run_torchrun_with_restarts(
+    args: list[str], max_restarts: int, timeout: float, rendezvous: str = "static"
+) -> Result:
+    """``torchrun --max-restarts=N`` (launch.run_torchrun always passes 0), with the static
+    (torchrun's default) or the c10d rendezvous. Both keep one store across restarts; fastdist
+    forms every restart's group under a prefix of its own, so no workaround is needed."""
+    if rendezvous == "static":
+        options = ["--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+    else:
+        options = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+    options += ["--nnodes=1", f"--max-restarts={max_restarts}"]
+    (result,) = run_together([Launch(torchrun_command(WORKER, SIZE, args, options))], timeout)
     return result
 
 
-def test_torchrun_restart_resumes_exactly(straight: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_torchrun_restart_resumes_exactly(straight: Path, tmp_path: Path, rendezvous: str) -> None:
     """``torchrun --max-restarts=1``: rank 1 dies in epoch 2 on the first attempt only; the
     restarted workers resume from update 12 and the job completes on its own."""
     args = [str(tmp_path), "plain", "--tag", "job", "--kill-at", "13"]
-    result = run_torchrun_with_restarts(args, max_restarts=1, timeout=150)
+    result = run_torchrun_with_restarts(args, max_restarts=1, timeout=150, rendezvous=rendezvous)
     assert result.returncode == 0, result.describe()
     for rank in range(SIZE):
         assert not (tmp_path / "plain" / f"job-0.rank{rank}.json").exists(), "did not die"
