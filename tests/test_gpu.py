@@ -1,0 +1,120 @@
+"""CUDA tests (marked ``gpu``): what users run on GPUs, in one process; skipped without CUDA.
+
+They reuse tests/inprocess.py's tiny trainer with ``device="cuda"``. Not yet run on a GPU:
+written from the code (no GPU in the session that wrote them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from inprocess import make_trainer
+
+from fastdist.callbacks import Callback, GradientClipCallback
+
+pytestmark = pytest.mark.gpu
+
+LR, CLIP = 0.05, 0.01  # inprocess.make_trainer's SGD learning rate; a clip every update hits
+
+
+def params(trainer: Any) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).cpu()
+
+
+class InfOnce(Callback):
+    """Makes update 2's gradient infinite (an fp16 overflow) before clipping sees it."""
+
+    def on_backward_end(self) -> None:
+        state = self.trainer.state
+        if state.is_update and state.global_step == 1 and not state.skipped_steps:
+            next(self.trainer.model.parameters()).grad.view(-1)[0] = float("inf")
+
+
+class StepSizes(Callback):
+    """The norm of every applied update's parameter change."""
+
+    def __init__(self) -> None:
+        self.before: torch.Tensor | None = None
+        self.sizes: list[float] = []
+
+    def on_backward_end(self) -> None:
+        if self.trainer.state.is_update:
+            self.before = params(self.trainer)
+
+    def on_step_end(self) -> None:
+        assert self.before is not None
+        self.sizes.append(float((params(self.trainer) - self.before).norm()))
+
+
+def test_fp16_skips_an_overflow_and_clips_after_unscaling() -> None:
+    sizes = StepSizes()
+    callbacks = [InfOnce(), GradientClipCallback(clip_value=CLIP), sizes]
+    trainer = make_trainer(Callback(), device="cuda", amp="fp16", callbacks_all=callbacks)
+    result = trainer.train()
+    assert trainer.state.skipped_steps == 1 and trainer.precision.skipped_by_scaler == 1
+    assert result["steps"] == 6 - 1  # 24 samples, batch 4: 6 updates, one skipped
+    # Clipped on the true (unscaled) gradients: every step moves the weights by LR * CLIP.
+    assert sizes.sizes and all(abs(s - LR * CLIP) < 1e-2 * LR * CLIP for s in sizes.sizes)
+    assert torch.isfinite(params(trainer)).all()
+
+
+def test_bf16_trains_close_to_fp32() -> None:
+    torch.manual_seed(0)
+    fp32 = make_trainer(Callback(), device="cuda", n_epochs=3)
+    fp32.train()
+    torch.manual_seed(0)
+    bf16 = make_trainer(Callback(), device="cuda", n_epochs=3, amp="bf16")
+    bf16.train()
+    assert not torch.equal(params(fp32), params(bf16))
+    assert torch.allclose(params(fp32), params(bf16), atol=0.05)
+
+
+def test_compile_matches_eager() -> None:
+    torch.manual_seed(0)
+    eager = make_trainer(Callback(), device="cuda", n_epochs=2)
+    eager.train()
+    torch.manual_seed(0)
+    compiled = make_trainer(Callback(), device="cuda", n_epochs=2, compile=True)
+    compiled.train()
+    assert torch.allclose(params(eager), params(compiled), atol=1e-5)
+
+
+def test_fp16_resume_on_cuda_is_bit_exact(tmp_path: Any) -> None:
+    options = {"device": "cuda", "amp": "fp16", "n_epochs": 2, "load_best_model": False}
+    options |= {"checkpoint_every": 1, "keep_checkpoints": 20}
+    torch.manual_seed(0)
+    straight = make_trainer(Callback(), save_path=str(tmp_path / "a"), **options)
+    straight.train()
+    torch.manual_seed(0)
+    resumed = make_trainer(Callback(), save_path=str(tmp_path / "b"), **options)
+    resumed.train(resume=str(tmp_path / "a" / "checkpoints" / "step-00000005.pt"))
+    assert torch.equal(params(straight), params(resumed))
+
+
+def test_evaluate_and_predict_on_cuda_match_the_cpu() -> None:
+    trainer = make_trainer(Callback(), device="cuda")
+    x, y = trainer.dev_data.tensors
+    cpu_model = trainer.model.to("cpu")
+    expected = cpu_model(x)["pred"]
+    trainer.model.to("cuda")
+    accuracy = float((expected.argmax(1) == y).float().mean())
+    assert abs(trainer.evaluate()["acc"] - accuracy) < 1e-6
+    preds = trainer.predict(trainer.dev_data)
+    assert preds is not None
+    got = torch.tensor([p["pred"] for p in preds])
+    assert torch.allclose(got, expected.detach(), atol=1e-5)
+
+
+def test_batches_are_pinned_and_reach_the_gpu() -> None:
+    seen: list[torch.device] = []
+
+    class Where(Callback):
+        def on_batch_begin(self, batch: Any) -> None:
+            seen.append(batch[0].device)
+
+    trainer = make_trainer(Where(), device="cuda")
+    assert next(iter(trainer.data.loader))[0].is_pinned()
+    trainer.train()
+    assert seen and all(d.type == "cuda" for d in seen)
