@@ -21,7 +21,7 @@ import socket
 import sys
 from typing import Any
 
-from fastdist.distributed.env import REQUIRED_VARS, TORCHRUN_VARS
+from fastdist.distributed.env import REQUIRED_VARS, TORCHRUN_VARS, gpu_shortage
 
 # Other variables that change how devices and backends behave.
 OTHER_VARS = (
@@ -199,13 +199,11 @@ def _launch_problems(cuda: bool, nccl: bool, n_gpus: int) -> list[str]:
     if cuda and not nccl and world is not None and world > 1:
         problems.append("CUDA is available but NCCL is not: pass device='cpu' to use gloo")
     local_rank, local_world = _int_env("LOCAL_RANK"), _int_env("LOCAL_WORLD_SIZE")
-    if cuda and local_world is not None and local_world > n_gpus:
-        problems.append(
-            f"LOCAL_WORLD_SIZE={local_world} processes on this node but only {n_gpus} GPU(s) "
-            "are visible: use --nproc-per-node <= GPUs, or device='cpu'"
-        )
-    elif cuda and local_rank is not None and local_rank >= n_gpus:
-        problems.append(f"LOCAL_RANK={local_rank} but only {n_gpus} GPU(s) are visible")
+    if cuda and (local_rank is not None or local_world is not None):
+        local_rank = local_rank or 0
+        shortage = gpu_shortage(local_rank, local_world or local_rank + 1, n_gpus)
+        if shortage is not None:
+            problems.append(f"device='auto' would fail: {shortage}")
     return problems
 
 
