@@ -48,9 +48,14 @@ def _atomic_file(path: str) -> Iterator[IO[bytes]]:
     except BaseException:
         os.unlink(tmp)
         raise
+    fsync_dir(directory)
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename inside ``directory`` durable (before anything names its result)."""
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)  # make the rename itself durable
+        os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fastdist.distributed import is_distributed
+from fastdist.trainer.checkpoint import fsync_dir
 
 
 def _barrier(group: Any) -> None:
@@ -54,11 +55,7 @@ def publish(tmp_dir: str, final_dir: str, group: Any, is_master: bool) -> None:
     if is_master:
         shutil.rmtree(final_dir, ignore_errors=True)
         os.replace(tmp_dir, final_dir)
-        dir_fd = os.open(os.path.dirname(final_dir), os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # make the rename durable before the manifest names it
-        finally:
-            os.close(dir_fd)
+        fsync_dir(os.path.dirname(final_dir))  # durable before the manifest names it
 
 
 def load_shards(
