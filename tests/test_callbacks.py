@@ -24,9 +24,9 @@ from fastdist.callbacks import (
     LRSchedulerCallback,
     WarmupCallback,
 )
-from fastdist.data import split_batches
+from fastdist.data import split_batches, window_weights
 from fastdist.losses import as_loss_fn
-from fastdist.trainer.batch import make_forward, to_device, window_weights
+from fastdist.trainer.batch import make_forward, to_device
 from fastdist.trainer.precision import Precision
 
 # ----- WarmupCallback -----

@@ -43,6 +43,14 @@ class WarmupCallback(Callback):
         return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
     def on_train_begin(self) -> None:
+        if self.trainer.state.total_steps is None and (
+            self.schedule != "constant" or 0 < self.warmup < 1
+        ):
+            raise ValueError(
+                f"WarmupCallback(warmup={self.warmup}, schedule={self.schedule!r}) needs the "
+                "number of updates, which a streaming train_data does not know: give warmup as "
+                "a number of updates (e.g. warmup=100) with schedule='constant'"
+            )
         if not self.base_lrs:  # a resumed run restored them: the optimizer holds warmed rates
             self.base_lrs = [group["lr"] for group in self.trainer.optimizer.param_groups]
         self._set_lr()
@@ -59,6 +67,7 @@ class WarmupCallback(Callback):
     def _set_lr(self) -> None:
         """Set the rate the next update (number ``global_step + 1``) will use."""
         state = self.trainer.state
-        factor = self.factor(state.global_step + 1, state.total_steps)
+        total = state.total_steps or 0  # None (a stream): not used, see on_train_begin
+        factor = self.factor(state.global_step + 1, total)
         for group, base in zip(self.trainer.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * factor

@@ -1,7 +1,17 @@
-"""Training data: the resumable sampler, token-budget batches, the per-pass batch plan."""
+"""Training data: the resumable sampler, token-budget batches, the per-pass batch plan,
+streams."""
 
-from fastdist.data.batches import TrainBatches, split_batches
+from fastdist.data.batches import TrainBatches, split_batches, window_weights
 from fastdist.data.sampler import ResumableSampler
+from fastdist.data.stream import StreamBatches, StreamShard
 from fastdist.data.token_batch import TokenBatchSampler
 
-__all__ = ["ResumableSampler", "TokenBatchSampler", "TrainBatches", "split_batches"]
+__all__ = [
+    "ResumableSampler",
+    "StreamBatches",
+    "StreamShard",
+    "TokenBatchSampler",
+    "TrainBatches",
+    "split_batches",
+    "window_weights",
+]

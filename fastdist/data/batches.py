@@ -10,13 +10,32 @@ mode so batch-norm statistics and dropout's random numbers are untouched.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from fastdist.data.sampler import ResumableSampler
 from fastdist.data.token_batch import TokenBatchSampler
+
+
+def window_weights(sizes: Sequence[Sequence[int]], rank: int, update_every: int) -> list[float]:
+    """Loss weight of each of this rank's micro-batches so each update averages its samples.
+
+    ``sizes[r]`` are rank ``r``'s micro-batch sizes (samples) of the pass; shorter lists are
+    padded with 0 (fillers) to the longest, so every rank runs equally many micro-batches.
+    Micro-batches are grouped into windows of ``update_every``; one of ``s`` samples in a
+    window of ``n`` samples over all ranks gets ``s * world_size / n`` (DDP's mean over the
+    ranks divides by ``world_size``). A short or uneven end is thus weighted exactly as one
+    big batch would be, and every rank computes its weights without communicating.
+    """
+    world, length = len(sizes), max(map(len, sizes), default=0)
+    own = list(sizes[rank]) + [0] * (length - len(sizes[rank]))
+    weights: list[float] = []
+    for start in range(0, length, update_every):
+        total = sum(sum(s[start : start + update_every]) for s in sizes)
+        weights += [size * world / total for size in own[start : start + update_every]]
+    return weights
 
 
 def split_batches(n_samples: int, batch_size: int, drop_last: bool) -> list[int]:
@@ -32,6 +51,9 @@ class TrainBatches:
 
     A pass is an epoch from a position: ``samples`` (for samplers of samples) or ``batches``
     (for batch samplers) already trained on by all ranks together, 0 at an epoch's start.
+    ``weights`` holds the loss weight of each of this rank's micro-batches of the pass (see
+    :func:`window_weights`). :class:`~fastdist.data.stream.StreamBatches` is the same
+    interface for streams.
     """
 
     def __init__(
@@ -44,9 +66,10 @@ class TrainBatches:
         seed: int,
         rank: int,
         world_size: int,
+        update_every: int,
         **loader_options: Any,
     ) -> None:
-        self.batch_size, self.drop_last = batch_size, drop_last
+        self.batch_size, self.drop_last, self.update_every = batch_size, drop_last, update_every
         self.rank, self.world_size = rank, world_size
         self.by_batch = batch_sampler is not None  # positions count batches, not samples
         if batch_sampler is not None:
@@ -65,6 +88,7 @@ class TrainBatches:
             )
         self.data = data
         self.sizes: list[list[int]] = []  # every rank's micro-batch sizes of the current pass
+        self.weights: list[float] = []
         self._prefix: list[list[int]] = []  # their running sums
         self._skip = 0
         self._start = (0, 0)
@@ -96,8 +120,8 @@ class TrainBatches:
         """Micro-batches every rank runs in a pass (the longest shard's batches)."""
         return max(len(sizes) for sizes in self.plan(epoch, samples, batches)[0])
 
-    def begin(self, epoch: int, samples: int, batches: int) -> list[list[int]]:
-        """Start a pass: set the sampler's epoch and start; return every rank's batch sizes."""
+    def begin(self, epoch: int, samples: int, batches: int) -> None:
+        """Start a pass: set the sampler's epoch and start; plan every rank's batch sizes."""
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on all ranks
         if self.plans_uneven:
@@ -105,7 +129,7 @@ class TrainBatches:
         self.sizes, self._skip = self.plan(epoch, samples, batches)
         self._prefix = [list(itertools.accumulate(sizes, initial=0)) for sizes in self.sizes]
         self._start = (samples, batches)
-        return self.sizes
+        self.weights = window_weights(self.sizes, self.rank, self.update_every)
 
     def iterate(self) -> Iterator[Any]:
         """This rank's batches of the pass, then fillers up to the longest shard's count.
@@ -125,6 +149,18 @@ class TrainBatches:
             if last is None:  # an empty shard (fewer samples left than ranks)
                 last = self.loader.collate_fn([self.data[0]])
             yield last
+
+    def ends_pass(self, done: int) -> bool:
+        """Whether ``done`` micro-batches are the whole pass."""
+        return done == len(self.weights)
+
+    def state_dict(self) -> None:
+        """Nothing: the trainer's position (samples, batches) is all a resume needs."""
+        return None
+
+    def resume(self, state: Any) -> bool:
+        """A resumed pass starts at the trainer's position: always exact."""
+        return True
 
     def position(self, done: int) -> tuple[int, int]:
         """(samples, batches) of the epoch trained on by all ranks after ``done`` micro-batches

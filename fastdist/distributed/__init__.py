@@ -6,6 +6,7 @@ from fastdist.distributed.collectives import (
     barrier,
     broadcast_object,
     broadcast_tensors,
+    cpu_group,
     rank_zero_first,
     rank_zero_only,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "broadcast_tensors",
+    "cpu_group",
     "default_backend",
     "get_local_rank",
     "get_node_rank",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import itertools
 import time
@@ -129,6 +130,15 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int = 0, group: Any 
     if _several_processes():
         for tensor in tensors:
             dist.broadcast(tensor, src=src, group=group)
+
+
+def cpu_group(group: Any, timeout: float | None) -> Any:
+    """``group`` if it runs on gloo, else a new gloo group of all ranks (bounded by ``timeout``
+    seconds), so that small host-side collectives never wait for the GPU. Call on every rank."""
+    if not _several_processes() or dist.get_backend(group) == "gloo":
+        return group
+    seconds = None if timeout is None else datetime.timedelta(seconds=timeout)
+    return dist.new_group(backend="gloo", timeout=seconds)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -57,22 +57,3 @@ def make_forward(model: nn.Module) -> Callable[[nn.Module, Any], Any]:
         return module(batch)
 
     return forward
-
-
-def window_weights(sizes: Sequence[Sequence[int]], rank: int, update_every: int) -> list[float]:
-    """Loss weight of each of this rank's micro-batches so each update averages its samples.
-
-    ``sizes[r]`` are rank ``r``'s micro-batch sizes (samples) of the pass; shorter lists are
-    padded with 0 (fillers) to the longest, so every rank runs equally many micro-batches.
-    Micro-batches are grouped into windows of ``update_every``; one of ``s`` samples in a
-    window of ``n`` samples over all ranks gets ``s * world_size / n`` (DDP's mean over the
-    ranks divides by ``world_size``). A short or uneven end is thus weighted exactly as one
-    big batch would be, and every rank computes its weights without communicating.
-    """
-    world, length = len(sizes), max(map(len, sizes), default=0)
-    own = list(sizes[rank]) + [0] * (length - len(sizes[rank]))
-    weights: list[float] = []
-    for start in range(0, length, update_every):
-        total = sum(sum(s[start : start + update_every]) for s in sizes)
-        weights += [size * world / total for size in own[start : start + update_every]]
-    return weights

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 
 class Checkpointer:
-    """Saves ``trainer.state_dict()`` plus every rank's RNG state; finds one to resume from.
+    """Saves ``trainer.state_dict()`` plus every rank's RNG state and data position (a
+    stream's loader state); finds one to resume from.
 
     Args:
         directory: where checkpoints go; ``None`` disables checkpointing (every method then
@@ -42,15 +43,17 @@ class Checkpointer:
         return self.dir is not None and self.every > 0 and step % self.every == 0
 
     def save(self, trainer: DistTrainer) -> None:
-        """Gather every rank's RNG state (a collective), then rank 0 writes the checkpoint."""
+        """Gather every rank's RNG state and data position (a collective), then rank 0 writes
+        the checkpoint."""
         if self.dir is None:
             return
-        rngs = all_gather_object(rng_state(), trainer.group)
+        ranks = all_gather_object((rng_state(), trainer.data.state_dict()), trainer.group)
+        per_rank = {"rng": [rng for rng, _ in ranks], "data": [data for _, data in ranks]}
         step = trainer.state.global_step
         if self.sharded:
-            path = self._save_sharded(trainer, dict(trainer.state_dict(), rng=rngs), step)
+            path = self._save_sharded(trainer, dict(trainer.state_dict(), **per_rank), step)
         elif trainer.is_master:
-            path = self.dir.save(dict(trainer.state_dict(), rng=rngs), step)
+            path = self.dir.save(dict(trainer.state_dict(), **per_rank), step)
         if trainer.is_master:
             logger.info("checkpoint written: %s", path)
 
@@ -104,7 +107,8 @@ def trainer_state_dict(trainer: DistTrainer) -> dict[str, Any]:
 
 
 def load_trainer_state_dict(trainer: DistTrainer, checkpoint: dict[str, Any]) -> None:
-    """Restore what :func:`trainer_state_dict` returned (plus the checkpoint's ``rng`` list)."""
+    """Restore what :func:`trainer_state_dict` returned (plus the checkpoint's per-rank ``rng``
+    and ``data`` lists)."""
     if "sharded_dir" in checkpoint:
         load_shards(trainer.model, trainer.optimizer, checkpoint["sharded_dir"], trainer.group)
     else:
@@ -123,6 +127,11 @@ def load_trainer_state_dict(trainer: DistTrainer, checkpoint: dict[str, Any]) ->
     trainer.best.path = checkpoint["best_model_path"]
     rngs = checkpoint.get("rng", [])
     trainer._resume_rng = rngs[trainer.rank] if trainer.rank < len(rngs) else None
+    datas = checkpoint.get("data", [])
+    own = datas[trainer.rank] if len(datas) == trainer.world_size else None
+    mid_epoch = not state.epoch_complete and (state.samples_in_epoch or state.batches_in_epoch)
+    if mid_epoch and not trainer.data.resume(own):  # a stream that cannot continue: restart
+        state.samples_in_epoch = state.batches_in_epoch = 0
     if checkpoint["world_size"] != trainer.world_size:
         cfg = trainer.config
         logger.warning(

@@ -13,15 +13,16 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from fastdist.callbacks.callback import Callback, CallbackList
 from fastdist.callbacks.json_log import JSONLogCallback
-from fastdist.data import TrainBatches
+from fastdist.data import StreamBatches, TrainBatches
 from fastdist.distributed import (
     all_reduce_sum,
     backend_for,
     broadcast_object,
+    cpu_group,
     get_rank,
     get_world_size,
     init_distributed,
@@ -34,7 +35,7 @@ from fastdist.logging import logger
 from fastdist.losses import as_loss_fn
 from fastdist.strategies import check_strategy_inputs, make_strategy
 from fastdist.trainer import validation
-from fastdist.trainer.batch import eval_mode, make_forward, window_weights
+from fastdist.trainer.batch import eval_mode, make_forward
 from fastdist.trainer.best_model import BestModel
 from fastdist.trainer.checkpoint import set_rng_state
 from fastdist.trainer.checkpointer import (
@@ -59,7 +60,9 @@ class DistTrainer:
     """Data-parallel training over every process of a torchrun job (or one plain process).
 
     Args:
-        train_data: map-style dataset of dict or ``(input, target)`` samples.
+        train_data: map-style dataset of dict or ``(input, target)`` samples, or a stream (an
+            ``IterableDataset``, sharded over ranks and DataLoader workers; see
+            :mod:`fastdist.data.stream`).
         model: the ``nn.Module``; wrapped in ``DistributedDataParallel`` when world size > 1.
         optimizer: built from ``model.parameters()``; default ``Adam(lr=4e-3)``.
         loss: a fastdist loss, a torch loss module, ``callable(output, batch)`` or ``None`` (the
@@ -232,14 +235,16 @@ class DistTrainer:
         )
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        n_train = validation.check_dataset("train_data", train_data)
+        stream = isinstance(train_data, IterableDataset)
         if dev_data is not None:
             validation.check_dataset("dev_data", dev_data)
-        validation.check_samplers(sampler, batch_sampler)
-        if sampler is None and batch_sampler is None:
-            validation.check_enough_samples(
-                n_train // get_world_size(), batch_size_per_gpu, drop_last
-            )
+        validation.check_samplers(sampler, batch_sampler, stream)
+        if not stream:
+            n_train = validation.check_dataset("train_data", train_data)
+            if sampler is None and batch_sampler is None:
+                validation.check_enough_samples(
+                    n_train // get_world_size(), batch_size_per_gpu, drop_last
+                )
         self.metrics = validation.as_metric_list(metrics)
         if dev_data is not None and not self.metrics:
             raise ValueError("dev_data needs metrics=: pass e.g. metrics=AccuracyMetric()")
@@ -281,21 +286,40 @@ class DistTrainer:
 
         # 3. Data, evaluation, callbacks, checkpoints and state.
         self.train_data, self.dev_data = train_data, dev_data
-        self.data = TrainBatches(
-            train_data,
-            batch_size_per_gpu,
-            sampler,
-            batch_sampler,
-            drop_last,
-            seed,
-            self.rank,
-            self.world_size,
+        self.timer = RankTimer(self.device, self.rank, self.world_size)
+        loader_options: dict[str, Any] = dict(
             num_workers=num_workers,
             collate_fn=collate_fn,
             pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
             persistent_workers=persistent_workers and num_workers > 0,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
         )
+        self.data: TrainBatches | StreamBatches
+        if stream:
+            self.data = StreamBatches(
+                train_data,
+                batch_size_per_gpu,
+                drop_last,
+                self.rank,
+                self.world_size,
+                update_every,
+                cpu_group(self.group, timeout),
+                self.timer.collective_in_next,
+                **loader_options,
+            )
+        else:
+            self.data = TrainBatches(
+                train_data,
+                batch_size_per_gpu,
+                sampler,
+                batch_sampler,
+                drop_last,
+                seed,
+                self.rank,
+                self.world_size,
+                update_every,
+                **loader_options,
+            )
         if not self.data.plans_uneven:  # a user's sampler: its shards must be equal
             check_even_shards(len(self.data.loader), self.group)
         if is_multi_node():
@@ -326,10 +350,8 @@ class DistTrainer:
             sharded=cfg.strategy == "fsdp",
         )
         self.state = TrainerState(n_epochs=n_epochs)
-        self.weights: list[float] = []  # loss weight of each micro-batch of this epoch's pass
         self._resume_rng: dict[str, Any] | None = None
         self.losses = LossTracker(self.device)
-        self.timer = RankTimer(self.device, self.rank, self.world_size)
         self.slow_ranks = SlowRankReport(cfg.slow_rank_threshold, show=self.is_master)
         self.progress = Progress(show=False, use_tqdm=False, total=0, initial=0, global_batch=0)
         self.sigterm = SigtermFlag()  # watched during train(); agreed at sync points
@@ -360,7 +382,8 @@ class DistTrainer:
         found = self.checkpointer.find(resume)
         if found is not None:
             self.load_state_dict(found[0])
-        self.state.total_steps = self.state.global_step + self._updates_left()
+        left = self._updates_left()
+        self.state.total_steps = None if left is None else self.state.global_step + left
         if found is not None:
             state = self.state
             logger.info(
@@ -370,20 +393,20 @@ class DistTrainer:
                 0 if state.epoch_complete else state.samples_in_epoch,
                 state.global_step,
                 ""
-                if state.total_steps > state.global_step
+                if left != 0
                 else " (nothing left to train: resume=False or another save_path starts afresh)",
             )
         cfg = self.config
         logger.info(
             "training on %d process(es), %s; global batch %d = %d per process x %d x "
-            "update_every %d; %d updates",
+            "update_every %d; %s updates",
             self.world_size,
             self.device,
             cfg.batch_size_per_gpu * self.world_size * cfg.update_every,
             cfg.batch_size_per_gpu,
             self.world_size,
             cfg.update_every,
-            self.state.total_steps,
+            "unknown (a stream)" if left is None else self.state.total_steps,
         )
         global_batch = cfg.batch_size_per_gpu * self.world_size * cfg.update_every
         self.progress = Progress(
@@ -440,7 +463,7 @@ class DistTrainer:
             for batch_idx, batch in enumerate(batches):
                 state.batch_idx = batch_idx
                 state.is_update = self._ends_window(batch_idx)
-                share = self.weights[batch_idx]
+                share = self.data.weights[batch_idx]
                 state.is_filler = share == 0.0  # keeps a shorter shard in step; trains nothing
                 callbacks.on_batch_begin(batch)
                 # Only the last micro-batch of a window all-reduces gradients.
@@ -462,7 +485,7 @@ class DistTrainer:
                     callbacks.on_step_end()
                     if cfg.validate_every > 0 and state.global_step % cfg.validate_every == 0:
                         self._validate()
-                    ends_epoch = batch_idx + 1 == len(self.weights)  # saved just below
+                    ends_epoch = self.data.ends_pass(batch_idx + 1)  # saved just below
                     if self.checkpointer.due(state.global_step) and not ends_epoch:
                         self._save_checkpoint()
                 callbacks.on_batch_end()
@@ -487,8 +510,7 @@ class DistTrainer:
         if state.epoch_complete:
             state.samples_in_epoch = state.batches_in_epoch = 0
         state.epoch_complete = False
-        sizes = self.data.begin(epoch, state.samples_in_epoch, state.batches_in_epoch)
-        self.weights = window_weights(sizes, self.rank, self.config.update_every)
+        self.data.begin(epoch, state.samples_in_epoch, state.batches_in_epoch)
         # iter() draws from the torch RNG. A checkpoint at an epoch end was taken before that
         # draw, one inside an epoch after it: restore the saved state on the matching side.
         resume_rng, self._resume_rng = self._resume_rng, None
@@ -500,20 +522,24 @@ class DistTrainer:
             set_rng_state(resume_rng)
         return batches
 
-    def _updates_left(self) -> int:
-        """Optimizer updates from the current position to the end of the last epoch."""
+    def _updates_left(self) -> int | None:
+        """Optimizer updates from the current position to the end of the last epoch (``None``:
+        unknown, a stream)."""
         state, every = self.state, self.config.update_every
         first = state.epoch + 1 if state.epoch_complete else max(state.epoch, 1)
         left = 0
         for epoch in range(first, self.config.n_epochs + 1):
             mid = epoch == state.epoch and not state.epoch_complete
             position = (state.samples_in_epoch, state.batches_in_epoch) if mid else (0, 0)
-            left += -(-self.data.n_micro_batches(epoch, *position) // every)
+            n = self.data.n_micro_batches(epoch, *position)
+            if n is None:
+                return None
+            left += -(-n // every)
         return left
 
     def _ends_window(self, batch_idx: int) -> bool:
         n = batch_idx + 1
-        return n % self.config.update_every == 0 or n == len(self.weights)
+        return n % self.config.update_every == 0 or n == len(self.data.weights)
 
     def _optimizer_step(self) -> bool:
         """Step, unless the gradients are non-finite or fp16 overflowed; say whether it did."""

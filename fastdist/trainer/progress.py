@@ -17,7 +17,9 @@ class Progress:
     log step is one plain line instead of carriage-return noise. Other ranks show nothing.
     """
 
-    def __init__(self, show: bool, use_tqdm: bool, total: int, initial: int, global_batch: int):
+    def __init__(
+        self, show: bool, use_tqdm: bool, total: int | None, initial: int, global_batch: int
+    ) -> None:
         self.global_batch = global_batch
         self.bar: tqdm | None = None
         if show and use_tqdm and sys.stderr.isatty():
@@ -29,7 +31,7 @@ class Progress:
         if self.bar is not None:
             self.bar.update()
 
-    def log(self, epoch: int, step: int, total: int, loss: float, lr: float) -> None:
+    def log(self, epoch: int, step: int, total: int | None, loss: float, lr: float) -> None:
         """Show the mean loss since the previous log step, the rate and the throughput."""
         now = time.monotonic()
         seconds, steps = now - self._time, step - self._step
@@ -41,10 +43,10 @@ class Progress:
             )
         else:
             logger.info(
-                "epoch %d step %d/%d loss %.4f lr %.3g %.0f samples/s",
+                "epoch %d step %d/%s loss %.4f lr %.3g %.0f samples/s",
                 epoch,
                 step,
-                total,
+                "?" if total is None else total,
                 loss,
                 lr,
                 samples_per_s,

@@ -21,7 +21,8 @@ class TrainerState:
             a batch sampler resumes from it).
         epoch_complete: whether the current epoch has been trained to its end.
         n_epochs: epochs to train.
-        total_steps: optimizer updates the whole run will make.
+        total_steps: optimizer updates the whole run will make; ``None`` for a stream (unknown
+            until it ends).
         is_update: whether the current micro-batch ends an update window (its backward
             all-reduces gradients and the optimizer steps after it).
         is_filler: the current micro-batch is a filler: a rank whose shard gave one batch
@@ -45,7 +46,7 @@ class TrainerState:
     batches_in_epoch: int = 0
     epoch_complete: bool = False
     n_epochs: int = 0
-    total_steps: int = 0
+    total_steps: int | None = 0
     is_update: bool = False
     is_filler: bool = False
     loss: float | None = None

@@ -3,12 +3,13 @@
 Every rank splits its time per optimizer update into three parts, from host timestamps
 (``time.perf_counter``) that need no device synchronisation on the hot path:
 
-* **data**: blocked in ``next()`` on the DataLoader iterator plus the copy to the device;
+* **data**: blocked in ``next()`` on the DataLoader iterator plus the copy to the device
+  (less a stream's per-update agreement, which is collective);
 * **collective**: waiting for the others: from the moment this rank's last gradient is
   accumulated (a post-accumulate-grad hook per parameter) to the end of ``backward()`` of an
   update, where DDP waits for its gradient all-reduce; plus the trainer's own all-reduces
-  (the loss count of ``(sum, count)`` losses, the log-step sync). A fast rank spends the
-  slow rank's extra time here;
+  (the loss count of ``(sum, count)`` losses, the log-step sync, a stream's agreement on each
+  update's batch sizes). A fast rank spends the slow rank's extra time here;
 * **compute**: everything else the training loop does: forward, backward, optimizer step,
   callbacks. Evaluation and checkpoint writing are not counted at all.
 
@@ -119,14 +120,15 @@ class RankTimer:
         iterator = iter(batches)
         self._mark = time.perf_counter()  # what ran between epochs (evaluation...) is not counted
         while True:
-            start = time.perf_counter()
+            start, waited = time.perf_counter(), self.collective
             self.compute += start - self._mark  # the previous micro-batch's step and callbacks
             try:
                 batch = to_device(next(iterator), device)
             except StopIteration:
                 return
-            self._mark = time.perf_counter()
-            self.data += self._mark - start
+            finally:  # less the time next() spent in :meth:`collective_in_next`
+                self._mark = time.perf_counter()
+                self.data += self._mark - start - (self.collective - waited)
             yield batch
 
     def backward_done(self, is_update: bool) -> None:
@@ -149,6 +151,16 @@ class RankTimer:
         with self._segment() as span:
             yield
         self.collective += span[0]
+
+    @contextlib.contextmanager
+    def collective_in_next(self) -> Iterator[None]:
+        """Count the time inside as collective wait though it runs within ``next()`` of
+        :meth:`batches` (a stream's agreement on each update), not as data wait."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.collective += time.perf_counter() - start
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

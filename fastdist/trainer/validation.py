@@ -89,8 +89,15 @@ def check_callbacks(name: str, callbacks: Sequence[Callback] | None) -> list[Cal
     return items
 
 
-def check_samplers(sampler: Any, batch_sampler: Any) -> None:
-    """At most one of them, each with ``__len__`` (this rank's samples or batches)."""
+def check_samplers(sampler: Any, batch_sampler: Any, stream: bool) -> None:
+    """At most one of them, each with ``__len__`` (this rank's samples or batches); none for a
+    stream (``stream``: train_data is an ``IterableDataset``)."""
+    if stream and (sampler is not None or batch_sampler is not None):
+        raise ValueError(
+            "sampler= and batch_sampler= do not apply to a streaming train_data (an "
+            "IterableDataset): fastdist shards it over the ranks and DataLoader workers; "
+            "leave both None"
+        )
     if sampler is not None and batch_sampler is not None:
         raise ValueError("pass sampler= or batch_sampler=, not both")
     for name, given, unit in (

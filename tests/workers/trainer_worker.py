@@ -89,9 +89,10 @@ def flat_params(model: nn.Module) -> list[float]:
 
 
 def make_trainer(
-    n_train: int, model: nn.Module | None = None, lr: float = 0.1, **kwargs: Any
+    n_train: int | Dataset, model: nn.Module | None = None, lr: float = 0.1, **kwargs: Any
 ) -> DistTrainer:
-    """A quiet CPU ``DistTrainer`` on ``ToyData(n_train)`` with SGD and cross entropy."""
+    """A quiet CPU ``DistTrainer`` on ``ToyData(n_train)`` (or the dataset ``n_train``) with
+    SGD and cross entropy."""
     model = model if model is not None else ToyNet()
     options: dict[str, Any] = {
         "optimizer": torch.optim.SGD(model.parameters(), lr=lr),
@@ -102,7 +103,8 @@ def make_trainer(
         "device": "cpu",
     }
     options.update(kwargs)
-    return DistTrainer(ToyData(n_train), model, **options)
+    data = ToyData(n_train) if isinstance(n_train, int) else n_train
+    return DistTrainer(data, model, **options)
 
 
 class Hook(Callback):

@@ -1,0 +1,253 @@
+"""Streaming training data: an ``IterableDataset`` sharded over ranks and DataLoader workers.
+
+Every reader (each DataLoader worker of each rank, or each rank without workers) takes a
+disjoint part of the stream: item ``i`` goes to reader ``i % readers`` (:class:`StreamShard`).
+Nobody knows in advance how many batches a rank gets, so the ranks agree on each update
+before running it: every rank reads up to ``update_every`` batches and one small all-reduce
+(CPU, gloo) gives every rank every rank's batch sizes (:meth:`StreamBatches._agree`). From
+them each rank weighs its micro-batches exactly as for map-style data
+(:func:`~fastdist.data.batches.window_weights`), a rank with fewer batches repeats its last one
+with weight 0 (a filler) to stay in step, and the epoch ends on every rank together when no
+rank has a batch left. That is one extra all-reduce of ``world_size * (update_every + 1)``
+numbers per update, only for streams.
+
+Resume: a dataset with ``state_dict()``/``load_state_dict()`` (torchdata's ``Stateful``
+protocol: the position of its current iteration, back at the start once an iteration ends;
+``load_state_dict`` is called before the next ``iter()``, in the worker that reads) is read
+through torchdata's ``StatefulDataLoader``; a checkpoint then holds every rank's loader state
+and a resumed run continues the epoch exactly (same world size and ``num_workers``). Any other
+stream restarts the interrupted epoch from its start, with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data.dataloader import default_collate
+
+from fastdist.data.batches import window_weights
+from fastdist.distributed import all_reduce_sum
+from fastdist.logging import logger
+
+
+def is_stateful(data: Any) -> bool:
+    """Whether ``data`` can save and restore its position (torchdata's ``Stateful``)."""
+    return callable(getattr(data, "state_dict", None)) and callable(
+        getattr(data, "load_state_dict", None)
+    )
+
+
+class StreamShard(IterableDataset):
+    """This reader's items of ``dataset``: item ``i`` if ``i % readers == reader``.
+
+    Readers are the DataLoader workers of all ranks (``rank * workers + worker`` of
+    ``world_size * workers``). Every reader iterates the whole stream and keeps its items, so
+    any iterable can be sharded; a dataset whose reading is costly can shard its sources (say,
+    files) itself and be passed to each rank already split, as a map-style dataset would be.
+    """
+
+    def __init__(self, dataset: Any, rank: int, world_size: int) -> None:
+        self.dataset, self.rank, self.world_size = dataset, rank, world_size
+        self._taken = False  # this reader kept an item since the (resumed) start
+        self._resume: dict[str, Any] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Pass the epoch on to a dataset that shuffles by it."""
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        readers, reader = self.world_size * workers, self.rank * workers + worker
+        resume, self._resume = self._resume, None
+        first, self._taken = reader, False
+        if resume is not None:
+            self.dataset.load_state_dict(resume["dataset"])
+            self._taken = resume["taken"]
+            if self._taken:  # the dataset stands just after this reader's last item
+                first = readers - 1
+        for item in itertools.islice(iter(self.dataset), first, None, readers):
+            self._taken = True
+            yield item
+
+    def state_dict(self) -> dict[str, Any]:
+        """The dataset's position and whether this reader's first item is behind it."""
+        return {"dataset": self.dataset.state_dict(), "taken": self._taken}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` at the next ``iter()``."""
+        self._resume = state
+
+
+class CountingCollate:
+    """A ``collate_fn`` that also returns how many samples the batch holds."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, samples: list[Any]) -> tuple[int, Any]:
+        return len(samples), self.collate(samples)
+
+
+class StreamBatches:
+    """This rank's batches of a stream, an update window at a time (see the module docstring).
+
+    The interface of :class:`~fastdist.data.TrainBatches`, with what a stream cannot know in
+    advance left unknown: ``n_micro_batches`` is ``None`` and ``ends_pass`` is never true
+    before the end. ``weights`` grows by one window just before the window's first batch is
+    yielded, so after a window's last batch ``len(weights)`` is the micro-batches so far.
+
+    Args:
+        group: a gloo (CPU) group for the per-update agreement, so it never waits for a GPU.
+        wait: a context manager factory timing the agreement as collective wait.
+    """
+
+    plans_uneven = True  # uneven ends are agreed and weighed as they come
+
+    def __init__(
+        self,
+        data: Any,
+        batch_size: int,
+        drop_last: bool,
+        rank: int,
+        world_size: int,
+        update_every: int,
+        group: Any = None,
+        wait: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        collate_fn: Callable | None = None,
+        **loader_options: Any,
+    ) -> None:
+        self.rank, self.world_size, self.update_every = rank, world_size, update_every
+        self.group, self.wait = group, wait
+        self.shard = StreamShard(data, rank, world_size)
+        self.stateful = is_stateful(data)
+        loader_class: Any = DataLoader
+        if self.stateful:
+            try:
+                from torchdata.stateful_dataloader import StatefulDataLoader
+            except ImportError as exc:
+                raise ImportError(
+                    "train_data is a stream with state_dict/load_state_dict: resuming it "
+                    "exactly needs torchdata's StatefulDataLoader: pip install torchdata"
+                ) from exc
+            loader_class = StatefulDataLoader
+        with warnings.catch_warnings():  # torchdata 0.11 calls a torch API deprecated since
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            self.loader = loader_class(
+                self.shard,
+                batch_size,
+                drop_last=drop_last,
+                collate_fn=CountingCollate(collate_fn or default_collate),
+                **loader_options,
+            )
+        self.num_workers = loader_options.get("num_workers", 0)
+        self.weights: list[float] = []
+        self.exhausted = False  # this rank's stream has ended in the current pass
+        self.last: Any = None  # this rank's latest batch: what a filler repeats
+        self._resume: dict[str, Any] | None = None
+        self._ends: dict[int, tuple[int, int]] = {}  # micro-batches done -> position
+
+    def n_micro_batches(self, epoch: int, samples: int = 0, batches: int = 0) -> None:
+        """Unknown for a stream."""
+        return None
+
+    def begin(self, epoch: int, samples: int, batches: int) -> None:
+        """Start a pass of ``epoch`` from the position ``(samples, batches)``."""
+        self.shard.set_epoch(epoch)
+        self.weights = []
+        self._ends = {0: (samples, batches)}
+
+    def iterate(self) -> Iterator[Any]:
+        """This rank's batches of the pass, with fillers; ``iter()`` of the loader runs now."""
+        resume, self._resume = self._resume, None
+        self.exhausted = resume is not None and resume["exhausted"]
+        if resume is not None and not self.exhausted:
+            self.loader.load_state_dict(resume["loader"])
+        return self._windows(iter(()) if self.exhausted else iter(self.loader))
+
+    def _windows(self, batches: Iterator[tuple[int, Any]]) -> Iterator[Any]:
+        k = self.update_every
+        while True:
+            own = [] if self.exhausted else list(itertools.islice(batches, k))
+            self.exhausted = len(own) < k
+            sizes = self._agree([n for n, _ in own])
+            length = max(map(len, sizes))
+            if not length:  # no rank has a batch left: the epoch ends here, on every rank
+                return
+            samples, n_batches = self._ends[len(self.weights)]
+            self.weights += window_weights(sizes, self.rank, k)
+            done = (samples + sum(map(sum, sizes)), n_batches + sum(map(len, sizes)))
+            self._ends[len(self.weights)] = done
+            for _, batch in own:
+                self.last = batch
+                yield batch
+            for _ in range(len(own), length):
+                yield self.last
+
+    def _agree(self, own: list[int]) -> list[list[int]]:
+        """Every rank's batch sizes of this window, from one all-reduce.
+
+        Each rank writes its sizes and whether it has a batch to repeat into its own slot. A
+        rank that must repeat a batch and has none (its part of the stream was empty) makes
+        every rank raise the same error, as all of them see it.
+        """
+        k, width = self.update_every, self.update_every + 1
+        vector = torch.zeros(self.world_size * width, dtype=torch.float64)
+        slot = self.rank * width
+        vector[slot : slot + len(own)] = torch.tensor(own, dtype=torch.float64)
+        vector[slot + k] = float(bool(own) or self.last is not None)
+        with self.wait():
+            rows = all_reduce_sum(vector, self.group).view(self.world_size, width).tolist()
+        sizes = [[int(n) for n in row[:k] if n > 0] for row in rows]
+        length = max(map(len, sizes))
+        empty = [r for r, row in enumerate(rows) if len(sizes[r]) < length and not row[k]]
+        if empty:
+            readers = self.world_size * max(self.num_workers, 1)
+            raise RuntimeError(
+                f"the streaming train_data gave rank(s) {empty} no item while other ranks had "
+                f"some: it holds fewer items than its {readers} readers (processes x "
+                "num_workers); use fewer processes or workers, or more data"
+            )
+        return sizes
+
+    def ends_pass(self, done: int) -> bool:
+        """Never known before the stream has ended."""
+        return False
+
+    def position(self, done: int) -> tuple[int, int]:
+        """(samples, batches) of the epoch trained on by all ranks after ``done`` micro-batches
+        of this pass each (``done`` ends a window)."""
+        return self._ends[done]
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """This rank's loader state (a stateful stream), else ``None``."""
+        if not self.stateful:
+            return None
+        loader = None if self.exhausted else self.loader.state_dict()
+        return {"loader": loader, "exhausted": self.exhausted, "workers": self.num_workers}
+
+    def resume(self, state: dict[str, Any] | None) -> bool:
+        """Continue the interrupted pass from ``state`` (this rank's :meth:`state_dict` of the
+        same world size) if it allows; else warn and return ``False``: it restarts."""
+        if not self.stateful:
+            why = "it has no state_dict()/load_state_dict() to save its position"
+        elif state is None:
+            why = "the checkpoint was written by a different number of processes"
+        elif state["workers"] != self.num_workers:
+            why = f"num_workers was {state['workers']} and is {self.num_workers} now"
+        else:
+            self._resume = state
+            return True
+        logger.warning(
+            "the streaming train_data cannot continue its interrupted epoch: %s; the epoch "
+            "restarts from its start (what it trained on before is trained on again)",
+            why,
+        )
+        return False

@@ -1,0 +1,145 @@
+"""Streaming training data (``IterableDataset``) in real worlds of 1 and 2 ranks, and in-process
+checks of what a stream refuses."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launch import Result, run_ranks
+from torch.utils.data import DataLoader, IterableDataset
+
+from fastdist import DistTrainer
+from fastdist.callbacks import WarmupCallback
+from fastdist.data import StreamShard
+from fastdist.trainer.progress import Progress
+
+WORKER = Path(__file__).resolve().parent / "workers" / "stream_worker.py"
+N_ITEMS = 103  # the worker's stream
+EVERY_ITEM = list(range(N_ITEMS))
+
+
+@pytest.fixture(scope="module")
+def worlds(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[int], tuple[Result, list[dict[str, Any]]]]:
+    """The launch and every rank's results of a world of 1 (plain process) or 2, run once."""
+    runs: dict[int, tuple[Result, list[dict[str, Any]]]] = {}
+
+    def get(size: int) -> tuple[Result, list[dict[str, Any]]]:
+        if size not in runs:
+            out, cwd = tmp_path_factory.mktemp(f"stream-{size}"), tmp_path_factory.mktemp("cwd")
+            runs[size] = run_ranks(WORKER, size, [str(out)], out, size > 1, cwd=cwd, timeout=240)
+        return runs[size]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [1, 2])
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_every_item_once_per_epoch(size: int, workers: str, worlds: Any) -> None:
+    """Sharded by rank x DataLoader worker: the ranks' items of an epoch are the stream, once."""
+    _, ranks = worlds(size)
+    runs = [data["coverage"][workers] for data in ranks]
+    for epoch in range(2):
+        seen = sorted(i for run in runs for i in run["ids"][epoch])
+        assert seen == EVERY_ITEM, f"epoch {epoch}"
+    # 103 items in batches of 3 and windows of 2: 18 updates per epoch on one rank; on two,
+    # rank 0's 52 items make 18 batches and rank 1's 51 make 17: 9 updates, 1 filler.
+    assert {run["steps"] for run in runs} == {36 if size == 1 else 18}
+    assert all(run["total_steps"] is None and run["best_eval"] is not None for run in runs)
+    assert all(run["final"] == runs[0]["final"] for run in runs), "ranks out of sync"
+
+
+@pytest.mark.slow
+def test_uneven_stream_ends_together_without_hanging(worlds: Any) -> None:
+    """Rank 1's stream holds 40 items, rank 0's 103: rank 1 fills until rank 0's part ends."""
+    _, ranks = worlds(2)
+    first, second = (data["uneven"] for data in ranks)
+    assert first["steps"] == second["steps"] == 9  # rank 0's 52 items: 18 batches, 9 updates
+    assert sorted(first["ids"][0]) == EVERY_ITEM[0::2]
+    assert sorted(second["ids"][0]) == list(range(1, 40, 2))
+    assert first["final"] == second["final"]
+
+
+@pytest.mark.slow
+def test_a_rank_without_items_is_the_same_error_everywhere(worlds: Any) -> None:
+    _, ranks = worlds(2)
+    errors = {data["empty"]["error"] for data in ranks}
+    assert len(errors) == 1
+    (error,) = errors
+    assert error is not None and "gave rank(s) [1] no item" in error
+    assert "fewer items than its 2 readers" in error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [1, 2])
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_stateful_stream_resumes_mid_epoch_bit_exact(size: int, workers: str, worlds: Any) -> None:
+    """Stopped at update 5, resumed from the checkpoint of update 3, on 0 and 2 workers."""
+    _, ranks = worlds(size)
+    for data in ranks:
+        run = data["resume"][workers]
+        assert (run["stopped_at"], run["resumed_at"]) == (5, 3)
+        assert run["steps"] == (36 if size == 1 else 18)
+        assert run["resumed"] == run["straight"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [1, 2])
+def test_stream_without_state_restarts_its_epoch(size: int, worlds: Any) -> None:
+    result, ranks = worlds(size)
+    assert "cannot continue its interrupted epoch: it has no state_dict()" in result.output
+    seen = sorted(i for data in ranks for i in data["restart"]["ids"][0])
+    assert seen == EVERY_ITEM  # the whole epoch again after resuming at update 3
+    assert {data["restart"]["steps"] for data in ranks} == {3 + (18 if size == 1 else 9)}
+
+
+class Numbers(IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(torch.arange(self.n, dtype=torch.float32).view(-1, 1))
+
+
+def test_shards_split_the_stream_by_rank_and_worker() -> None:
+    """Item i goes to reader i % (ranks x workers); readers' parts make the whole stream."""
+    parts = []
+    for rank in range(2):
+        loader = DataLoader(StreamShard(Numbers(23), rank, 2), batch_size=None, num_workers=2)
+        parts.append(sorted(int(x) for x in loader))
+    assert parts[0] == [i for i in range(23) if i % 4 in (0, 1)]
+    assert parts[1] == [i for i in range(23) if i % 4 in (2, 3)]
+
+
+def _stream_trainer(**kwargs: Any) -> DistTrainer:
+    model = torch.nn.Linear(1, 1)
+    return DistTrainer(
+        Numbers(10), model, loss=lambda out, batch: out.pow(2).mean(), device="cpu", **kwargs
+    )
+
+
+def test_stream_refuses_a_sampler() -> None:
+    with pytest.raises(ValueError, match="sampler= and batch_sampler= do not apply to a stream"):
+        _stream_trainer(sampler=range(10))
+
+
+def test_warmup_by_fraction_needs_a_known_length() -> None:
+    trainer = _stream_trainer(callbacks_all=[WarmupCallback(warmup=0.1)], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"give warmup as a number of updates"):
+        trainer.train()
+    counted = _stream_trainer(callbacks_all=[WarmupCallback(warmup=2)], use_tqdm=False)
+    assert counted.train()["steps"] == 2  # 10 items, batches of 8
+
+
+def test_log_line_of_an_unknown_length(caplog: pytest.LogCaptureFixture) -> None:
+    progress = Progress(show=True, use_tqdm=False, total=None, initial=0, global_batch=8)
+    with caplog.at_level(logging.INFO, logger="fastdist"):
+        progress.log(epoch=1, step=5, total=None, loss=0.5, lr=0.1)
+    assert "epoch 1 step 5/? loss 0.5000" in caplog.text

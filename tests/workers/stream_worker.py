@@ -1,0 +1,168 @@
+"""Worker for tests/test_stream.py: streaming (``IterableDataset``) training in a real world.
+
+Usage (under torchrun or as a plain process): ``stream_worker.py OUT_DIR``. Writes
+``OUT_DIR/rank<R>.json`` with every case's result.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from data_worker import StopAt, _resume_pair
+from torch.utils.data import IterableDataset
+from trainer_worker import SampleIds, ToyData, flat_params, make_trainer, write_json
+
+from fastdist import AccuracyMetric, Callback, DistTrainer, get_rank, get_world_size
+
+N_ITEMS = 103
+# Batches of 3 split 103 items unevenly over 2 ranks: 52 items make 18 batches, 51 make 17.
+STREAM_BATCH = 3
+
+
+class Stream(IterableDataset):
+    """The first ``n`` samples of ``ToyData(N_ITEMS)``, in order, as a stream."""
+
+    def __init__(self, n: int = N_ITEMS) -> None:
+        self.data = ToyData(N_ITEMS)
+        self.n = n
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for i in range(self.n):
+            yield self.data[i]
+
+
+class StatefulStream(Stream):
+    """A stream that saves its position (torchdata's ``Stateful`` protocol): that of the
+    current iteration, back to 0 when one ends (the next epoch starts afresh)."""
+
+    def __init__(self, n: int = N_ITEMS) -> None:
+        super().__init__(n)
+        self.position = 0  # the next item of the current iteration
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        start, self.position = self.position, 0
+        for i in range(start, self.n):
+            self.position = i + 1
+            yield self.data[i]
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+def stream_trainer(data: IterableDataset, **kwargs: Any) -> DistTrainer:
+    """The toy trainer on a stream: batches of 3, update_every 2, two epochs, 60 s timeout."""
+    torch.manual_seed(0)
+    options = {"batch_size_per_gpu": STREAM_BATCH, "update_every": 2, "n_epochs": 2}
+    return make_trainer(data, timeout=60, **{**options, **kwargs})
+
+
+def case_coverage() -> dict[str, Any]:
+    """Sample ids per epoch with 0 and 2 DataLoader workers; evaluation and log steps run."""
+    results = {}
+    for workers in (0, 2):
+        ids = SampleIds()
+        trainer = stream_trainer(
+            Stream(),
+            num_workers=workers,
+            callbacks_all=[ids],
+            dev_data=ToyData(30, seed=1),
+            metrics=AccuracyMetric(),
+            print_every=3,
+        )
+        result = trainer.train()
+        results[str(workers)] = {
+            "ids": ids.epochs,
+            "steps": result["steps"],
+            "best_eval": result["best_eval"],
+            "total_steps": trainer.state.total_steps,
+            "final": flat_params(trainer.model),
+        }
+    return results
+
+
+def case_uneven() -> dict[str, Any]:
+    """Rank 1's stream is far shorter than rank 0's: it fills while rank 0 trains on."""
+    ids = SampleIds()
+    n = 40 if get_rank() == 1 else N_ITEMS
+    trainer = stream_trainer(Stream(n), callbacks_all=[ids], n_epochs=1)
+    steps = trainer.train()["steps"]
+    return {"ids": ids.epochs, "steps": steps, "final": flat_params(trainer.model)}
+
+
+def case_empty() -> dict[str, Any]:
+    """One item for two ranks: rank 1 has nothing to repeat; every rank must say so."""
+    try:
+        stream_trainer(Stream(1), n_epochs=1).train()
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def case_resume(out: Path) -> dict[str, Any]:
+    """A stateful stream resumed mid-epoch (0 and 2 workers): bit-exact weights."""
+    results = {}
+    for workers in (0, 2):
+
+        def build(
+            callbacks: list[Callback], save_path: Path | None, workers: int = workers
+        ) -> DistTrainer:
+            return stream_trainer(
+                StatefulStream(),
+                num_workers=workers,
+                callbacks_all=callbacks,
+                save_path=save_path,
+                print_every=1,
+                checkpoint_every=3,
+            )
+
+        results[str(workers)] = _resume_pair(build, out / f"resume-{workers}-{get_world_size()}")
+    return results
+
+
+def case_restart(out: Path) -> dict[str, Any]:
+    """A stream without state resumed mid-epoch restarts the epoch: every item again."""
+    save_path = out / f"restart-{get_world_size()}"
+    stream_trainer(
+        Stream(),
+        callbacks_all=[StopAt(4), SampleIds()],
+        save_path=save_path,
+        print_every=1,
+        checkpoint_every=3,
+        n_epochs=1,
+    ).train()
+    ids = SampleIds()
+    resumed = stream_trainer(
+        Stream(),
+        callbacks_all=[StopAt(-1), ids],
+        save_path=save_path,
+        print_every=1,
+        checkpoint_every=3,
+        n_epochs=1,
+    )
+    steps = resumed.train()["steps"]
+    return {"ids": ids.epochs, "steps": steps}
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[1])
+    results = {
+        "coverage": case_coverage(),
+        "resume": case_resume(out),
+        "restart": case_restart(out),
+    }
+    if get_world_size() > 1:
+        results.update(uneven=case_uneven(), empty=case_empty())
+    write_json(out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
