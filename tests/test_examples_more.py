@@ -1,4 +1,5 @@
-"""The language-model and world-size comparison examples run end to end, with tiny settings."""
+"""The language-model, world-size comparison and streaming examples run end to end, with tiny
+settings."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from launch import REPO_ROOT, run_python, run_torchrun
 
 LANGUAGE_MODEL = REPO_ROOT / "examples" / "language_model.py"
 COMPARE = REPO_ROOT / "examples" / "compare_world_sizes.py"
+STREAM = REPO_ROOT / "examples" / "stream_jsonl.py"
 # An odd number of prompts: rank 0 decodes 3 of them, rank 1 decodes 2.
 PROMPTS = ["alpha ", "Return the ", "If ", "class Foo", "z"]
 TINY_LM = ["--max-bytes", "20000", "--epochs", "1", "--block-size", "32", "--d-model", "32"]
@@ -67,3 +69,20 @@ def test_compare_world_sizes_plots_and_tabulates(tmp_path: Path) -> None:
         loss, acc = float(row[4]), float(row[5])
         assert 0 < loss < math.log(10) and 0.1 < acc <= 1  # better than chance after 1 epoch
     assert "largest training-loss gap at one update step" in result.stdout
+
+
+@pytest.mark.slow
+def test_stream_example_trains_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """2 ranks stream the JSON-lines digits; a second run with more epochs resumes."""
+    first = run_torchrun(STREAM, nproc=2, args=["--epochs", "2"], cwd=tmp_path, timeout=120)
+    acc = re.search(r"best dev accuracy (\d\.\d+) at epoch (\d+) \((\d+) updates", first.output)
+    assert acc, first.describe()
+    # 1497 lines over 2 readers (2 ranks x 1 worker): 749 and 748, 24 batches of 32 per epoch.
+    assert float(acc.group(1)) > 0.8 and int(acc.group(3)) == 2 * 24
+    lines = (tmp_path / "cache" / "digits-train.jsonl").read_text().splitlines()
+    assert len(lines) == 1497 and set(json.loads(lines[0])) == {"x", "target"}
+    second = run_torchrun(STREAM, nproc=2, args=["--epochs", "3"], cwd=tmp_path, timeout=120)
+    assert "resumed from" in second.output and "epoch 2, 0 samples into it, step 48" in (
+        second.output
+    ), second.describe()
+    assert re.search(r"\(72 updates", second.output), second.describe()
