@@ -133,13 +133,17 @@ def default_backend() -> str:
     return "gloo"
 
 
-def backend_for(device: torch.device) -> str:
+def backend_for(device: torch.device, pinned: bool = False) -> str:
     """The trainer's backend: nccl for CUDA when every process of the node has a GPU of its own,
     else gloo (CPU tensors, or CUDA tensors of ranks sharing a GPU, which nccl refuses).
+
+    ``pinned``: the script named the GPU (``"cuda:0"``); every rank of the node names the same
+    one, so with several processes on the node they share it. (A rank cannot tell that from
+    ``f"cuda:{local_rank}"`` without asking the others; both get gloo, alike on every rank.)
     """
-    if device.type == "cuda" and dist.is_nccl_available() and node_gpu_shortage() is None:
-        return "nccl"
-    return "gloo"
+    shared = pinned and get_local_world_size() > 1
+    cuda = device.type == "cuda" and dist.is_nccl_available()
+    return "nccl" if cuda and not shared and node_gpu_shortage() is None else "gloo"
 
 
 def init_distributed(

@@ -268,7 +268,15 @@ class DistTrainer:
 
         # 2. Process group, model placement and the strategy's wrapping.
         if get_world_size() > 1:
-            init_distributed(backend=backend_for(self.device), timeout=timeout)
+            pinned = device not in (None, "auto") and torch.device(device).index is not None
+            backend = backend_for(self.device, pinned)
+            if backend == "gloo" and self.device.type == "cuda":
+                logger.info(
+                    "%s is shared by this node's processes: gradients go over gloo; "
+                    "device='auto' gives each process a GPU and nccl",
+                    self.device,
+                )
+            init_distributed(backend=backend, timeout=timeout)
         self.rank, self.world_size = get_rank(), get_world_size()
         self.is_master = self.rank == 0
         install_excepthook()
