@@ -6,7 +6,7 @@ from fastdist.distributed.collectives import (
     barrier,
     broadcast_object,
     broadcast_tensors,
-    cpu_group,
+    new_gloo_group,
     rank_zero_first,
     rank_zero_only,
 )
@@ -30,7 +30,6 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "broadcast_tensors",
-    "cpu_group",
     "default_backend",
     "get_local_rank",
     "get_node_rank",
@@ -40,6 +39,7 @@ __all__ = [
     "is_distributed",
     "is_master",
     "is_multi_node",
+    "new_gloo_group",
     "rank_zero_first",
     "rank_zero_only",
 ]

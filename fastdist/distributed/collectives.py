@@ -132,13 +132,28 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int = 0, group: Any 
             dist.broadcast(tensor, src=src, group=group)
 
 
-def cpu_group(group: Any, timeout: float | None) -> Any:
-    """``group`` if it runs on gloo, else a new gloo group of all ranks (bounded by ``timeout``
-    seconds), so that small host-side collectives never wait for the GPU. Call on every rank."""
-    if not _several_processes() or dist.get_backend(group) == "gloo":
-        return group
+def new_gloo_group(timeout: float | None) -> Any:
+    """A gloo group of all ranks of its own (bounded by ``timeout`` seconds), for small host-side
+    collectives that must neither wait for the GPU nor queue behind the trainer's; ``None`` in
+    a one-process world. Call on every rank."""
+    if not _several_processes():
+        return None
     seconds = None if timeout is None else datetime.timedelta(seconds=timeout)
     return dist.new_group(backend="gloo", timeout=seconds)
+
+
+def start_all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> Callable[[], torch.Tensor]:
+    """Start summing ``tensor`` over all ranks in place; the returned function waits for the
+    sum and returns ``tensor`` (internal, one collective)."""
+    if not _several_processes():
+        return lambda: tensor
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return tensor
+
+    return wait
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:

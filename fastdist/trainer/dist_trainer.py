@@ -22,12 +22,12 @@ from fastdist.distributed import (
     all_reduce_sum,
     backend_for,
     broadcast_object,
-    cpu_group,
     get_rank,
     get_world_size,
     init_distributed,
     is_distributed,
     is_multi_node,
+    new_gloo_group,
 )
 from fastdist.distributed.position import PositionBoard
 from fastdist.distributed.storage import check_shared_dirs
@@ -311,7 +311,7 @@ class DistTrainer:
                 self.rank,
                 self.world_size,
                 update_every,
-                cpu_group(self.group, timeout),
+                new_gloo_group(timeout),
                 self.timer.collective_in_next,
                 **loader_options,
             )

@@ -1,0 +1,123 @@
+"""What streaming costs: the same training from a map-style dataset and from a stream.
+
+Run on demand from the repository root, under torchrun (or as one process)::
+
+    torchrun --nproc-per-node=2 benchmarks/stream.py [--workload tiny] [--rounds 3]
+
+Each round trains the workload (``benchmarks/workloads.py``) twice with ``DistTrainer``, one
+after the other in the same job: from its ``TensorDataset`` (the default sampler) and from the
+same samples as an ``IterableDataset`` (sharded by rank, one agreement all-reduce per update).
+Prints ms per update after the warm-up for both, their ratio per round and the median, and the
+agreement all-reduce timed alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import Dataset, IterableDataset  # noqa: E402
+from workloads import WORKLOADS, Workload, build_data, build_model, build_optimizer, plan  # noqa: E402
+
+from fastdist import Callback, DistTrainer, get_world_size, is_master, logger  # noqa: E402
+from fastdist.distributed import all_reduce_sum  # noqa: E402
+
+
+class Stream(IterableDataset):
+    """The samples of a map-style dataset, in order, as a stream."""
+
+    def __init__(self, data: Dataset) -> None:
+        self.data = data
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self.data[i] for i in range(len(self.data)))  # type: ignore[arg-type]
+
+
+class Clock(Callback):
+    """Wall seconds per update from update ``warmup`` to the end of training."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.start, self.seconds_per_update = warmup, 0.0, 0.0
+
+    def on_step_end(self) -> None:
+        if self.trainer.state.global_step == self.warmup:
+            self.start = time.perf_counter()
+
+    def on_train_end(self) -> None:
+        steps = self.trainer.state.global_step - self.warmup
+        self.seconds_per_update = (time.perf_counter() - self.start) / steps
+
+
+def train(wl: Workload, data: Any, epochs: int) -> float:
+    """Milliseconds per update of one fastdist run on ``data``."""
+    model = build_model(wl)
+    clock = Clock(wl.warmup)
+    DistTrainer(
+        data,
+        model,
+        build_optimizer(model),
+        loss=nn.CrossEntropyLoss(),
+        callbacks_all=[clock],
+        batch_size_per_gpu=wl.batch_size,
+        update_every=wl.update_every,
+        n_epochs=epochs,
+        print_every=10_000,
+        use_tqdm=False,
+        device="cpu",
+        load_best_model=False,
+    ).train()
+    return clock.seconds_per_update * 1e3
+
+
+def agreement_us(update_every: int, repeats: int = 2000) -> float:
+    """Microseconds per agreement all-reduce (``world_size x (update_every + 1)`` float64)."""
+    vector = torch.zeros(get_world_size() * (update_every + 1), dtype=torch.float64)
+    all_reduce_sum(vector)  # warm the connection
+    start = time.perf_counter()
+    for _ in range(repeats):
+        all_reduce_sum(vector)
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=["tiny", "accumulation"], default="tiny")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    wl = WORKLOADS[args.workload]
+    epochs, per_epoch, size = plan(wl, get_world_size())
+    data = build_data(wl, size)
+    logger.setLevel("WARNING")  # the trainers' own lines would bury the table
+    ratios = []
+    for round_ in range(args.rounds):
+        map_ms = train(wl, data, epochs)
+        stream_ms = train(wl, Stream(data), epochs)
+        ratios.append(stream_ms / map_ms)
+        if is_master():
+            print(
+                f"round {round_}: map {map_ms:.3f} ms/update, stream {stream_ms:.3f} ms/update, "
+                f"stream/map {ratios[-1]:.3f}",
+                flush=True,
+            )
+    agreement = agreement_us(wl.update_every)
+    if is_master():
+        print(
+            f"{args.workload} on {get_world_size()} process(es), {epochs} x {per_epoch} updates: "
+            f"median stream/map {statistics.median(ratios):.3f}; agreement all-reduce alone "
+            f"{agreement:.0f} us"
+        )
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
