@@ -227,3 +227,20 @@ def test_plot_draws_every_ranks_update_time(world: World) -> None:
     png = world.out / "curves.png"
     assert main(["plot", str(world.out / "slow"), "-o", str(png)]) == 0
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_after_the_first_backward_one_hook_stamps_the_last_gradient() -> None:
+    """Hooks on every parameter for one backward, then only on the one whose gradient came
+    last (the first layer's, computed last in backward); the stamp keeps moving."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    timer = RankTimer(torch.device("cpu"), rank=0, world_size=2)
+    with timer.hooked(model):
+        stamps = []
+        for _ in range(3):
+            model(torch.randn(5, 4)).sum().backward()
+            stamps.append(timer._grads_ready)
+            timer.backward_done(is_update=True)
+        (kept,) = timer._hooks
+        assert kept in (id(model[0].weight), id(model[0].bias))
+        assert stamps[0] < stamps[1] < stamps[2]
+    assert timer._hooks == {}

@@ -6,7 +6,8 @@ Every rank splits its time per optimizer update into three parts, from host time
 * **data**: blocked in ``next()`` on the DataLoader iterator plus the copy to the device
   (less a stream's per-update agreement, which is collective);
 * **collective**: waiting for the others: from the moment this rank's last gradient is
-  accumulated (a post-accumulate-grad hook per parameter) to the end of ``backward()`` of an
+  accumulated (a post-accumulate-grad hook; the first backward hooks every parameter, later
+  ones only the parameter whose gradient came last) to the end of ``backward()`` of an
   update, where DDP waits for its gradient all-reduce; plus the trainer's own all-reduces
   (the loss count of ``(sum, count)`` losses, the log-step sync, a stream's agreement on each
   update's batch sizes). A fast rank spends the slow rank's extra time here;
@@ -93,27 +94,39 @@ class RankTimer:
         self.updates = 0  # update micro-batches since the last read
         self._mark = time.perf_counter()  # end of the last measured interval
         self._grads_ready = 0.0  # when this rank's last gradient was accumulated
+        self._last_grad: torch.Tensor | None = None  # the parameter stamped last
+        self._hooks: dict[int, Any] = {}  # id(parameter) -> hook handle
         self._sent_updates = 0
 
     @contextlib.contextmanager
     def hooked(self, model: nn.Module) -> Iterator[None]:
-        """Stamp every gradient accumulation of ``model`` while training (several ranks only)."""
+        """Stamp when ``model``'s last gradient of each backward is accumulated, while training
+        (several ranks only)."""
         if self.world_size == 1:  # nothing to wait for
             yield
             return
-        handles = [
-            p.register_post_accumulate_grad_hook(self._stamp_grad)
+        self._hooks = {
+            id(p): p.register_post_accumulate_grad_hook(self._stamp_grad)
             for p in model.parameters()
             if p.requires_grad
-        ]
+        }
         try:
             yield
         finally:
-            for handle in handles:
+            for handle in self._hooks.values():
                 handle.remove()
+            self._hooks = {}
 
     def _stamp_grad(self, param: torch.Tensor) -> None:
         self._grads_ready = time.perf_counter()
+        self._last_grad = param
+
+    def _keep_last_hook(self) -> None:
+        """After a backward: keep only the hook of the gradient that came last (a Python call
+        per parameter and backward costs tens of microseconds on a large model)."""
+        last = id(self._last_grad)
+        for key in [key for key in self._hooks if key != last]:
+            self._hooks.pop(key).remove()
 
     def batches(self, batches: Iterable[Any], device: torch.device) -> Iterator[Any]:
         """Yield ``batches`` moved to ``device``, timing ``next()`` and the copy as data wait."""
@@ -134,6 +147,8 @@ class RankTimer:
     def backward_done(self, is_update: bool) -> None:
         """After backward: split off the wait for the gradient all-reduce of an update."""
         now = time.perf_counter()
+        if len(self._hooks) > 1 and self._last_grad is not None:
+            self._keep_last_hook()
         ready = self._grads_ready
         if is_update:
             self.updates += 1
