@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 from torch.utils.data import IterableDataset
-from train_digits import Classifier, Digits, build_or_load_cached
+from train_digits import Classifier, Digits, build_or_load_cached, log_best
 
 import fastdist
 from fastdist import AccuracyMetric, CrossEntropyLoss, DistTrainer, logger, rank_zero_first
@@ -100,14 +100,7 @@ def main() -> None:
         checkpoint_every=20,
         save_path=args.save_path,
     )
-    result = trainer.train()
-    logger.info(
-        "best dev accuracy %.4f at epoch %d (%d updates, %.1f s)",
-        result["best_eval"]["acc"],
-        result["best_epoch"],
-        result["steps"],
-        result["seconds"],
-    )
+    log_best(trainer.train())
 
 
 if __name__ == "__main__":

@@ -65,6 +65,17 @@ def build_or_load_cached(cache_dir: str) -> tuple[Digits, Digits]:
     return Digits(*cache["train"]), Digits(*cache["dev"])
 
 
+def log_best(result: dict) -> None:
+    """Log the best dev accuracy of ``trainer.train()``'s result, when, and how long it took."""
+    logger.info(
+        "best dev accuracy %.4f at epoch %d (%d updates, %.1f s)",
+        result["best_eval"]["acc"],
+        result["best_epoch"],
+        result["steps"],
+        result["seconds"],
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
@@ -97,14 +108,7 @@ def main() -> None:
         use_tqdm=True,
         save_path=args.save_path,
     )
-    result = trainer.train()
-    logger.info(
-        "best dev accuracy %.4f at epoch %d (%d updates, %.1f s)",
-        result["best_eval"]["acc"],
-        result["best_epoch"],
-        result["steps"],
-        result["seconds"],
-    )
+    log_best(trainer.train())
 
 
 if __name__ == "__main__":
