@@ -11,7 +11,8 @@ repeats the last batch it read with weight 0 (a filler) to stay in step, and the
 on every rank together when no rank has a batch left. That is one extra all-reduce of
 ``world_size * (update_every + 1)`` numbers per update, only for streams; each rank reads the
 next update's batches while it trains on the current ones and starts their agreement then, so
-its latency (about 1 ms over gloo on a 2-core VM) overlaps training instead of adding to it.
+that its latency can overlap training where cores are free (on a 2-core VM it still costs
+about 1 ms per update: docs/benchmarks.rst).
 
 Resume: a dataset with ``state_dict()``/``load_state_dict()`` (torchdata's ``Stateful``
 protocol: the position of its current iteration, back at the start once an iteration ends;
@@ -50,8 +51,9 @@ class StreamShard(IterableDataset):
 
     Readers are the DataLoader workers of all ranks (``rank * workers + worker`` of
     ``world_size * workers``). Every reader iterates the whole stream and keeps its items, so
-    any iterable can be sharded; a dataset whose reading is costly can shard its sources (say,
-    files) itself and be passed to each rank already split, as a map-style dataset would be.
+    any iterable can be sharded, at the cost of reading (not training on) everything
+    ``readers`` times. Every rank must pass the same stream: one split per rank beforehand
+    would be split again.
     """
 
     def __init__(self, dataset: Any, rank: int, world_size: int) -> None:

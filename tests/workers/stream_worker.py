@@ -89,7 +89,8 @@ def case_coverage() -> dict[str, Any]:
 
 
 def case_uneven() -> dict[str, Any]:
-    """Rank 1's stream is far shorter than rank 0's: it fills while rank 0 trains on."""
+    """A rank-dependent stream (against the rule, to force a very uneven split): rank 0 keeps
+    52 of its 103 items, rank 1 20 of its 40; rank 1 fills while rank 0 trains on."""
     ids = SampleIds()
     n = 40 if get_rank() == 1 else N_ITEMS
     trainer = stream_trainer(Stream(n), callbacks_all=[ids], n_epochs=1)
