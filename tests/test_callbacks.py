@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import namedtuple
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -383,3 +384,17 @@ def test_as_loss_fn() -> None:
     assert as_loss_fn(custom) is custom
     with pytest.raises(TypeError, match="loss must be"):
         as_loss_fn("cross_entropy")
+
+
+# ----- resuming with other callbacks -----
+
+
+def test_resume_with_other_callbacks_names_the_list(tmp_path: Path) -> None:
+    """A checkpoint of a run without callbacks_all, resumed by one with a WarmupCallback."""
+    make_trainer(24, save_path=str(tmp_path), n_epochs=1).train()
+    warmed = make_trainer(
+        24, save_path=str(tmp_path), n_epochs=2, callbacks_all=[WarmupCallback(warmup=2)]
+    )
+    with pytest.raises(ValueError, match=r"holds 0 callbacks_all state\(s\) but the trainer has 1"):
+        warmed.train()
+    assert warmed.train(resume=False)["steps"] == 6  # 24 samples, batch 8: 3 updates an epoch

@@ -108,7 +108,16 @@ def trainer_state_dict(trainer: DistTrainer) -> dict[str, Any]:
 
 def load_trainer_state_dict(trainer: DistTrainer, checkpoint: dict[str, Any]) -> None:
     """Restore what :func:`trainer_state_dict` returned (plus the checkpoint's per-rank ``rng``
-    and ``data`` lists)."""
+    and ``data`` lists). Raises ``ValueError`` on every rank, before any collective, if the
+    trainer's callbacks do not match the checkpoint's."""
+    for name in ("callbacks_all", "callbacks_master"):  # the same lists on every rank
+        have, saved = len(getattr(trainer, name)), len(checkpoint[name])
+        if have != saved:
+            raise ValueError(
+                f"the checkpoint holds {saved} {name} state(s) but the trainer has {have} "
+                f"{name}: resume with the callbacks of the run that wrote it, in its order, or "
+                "start afresh with train(resume=False) or another save_path"
+            )
     if "sharded_dir" in checkpoint:
         load_shards(trainer.model, trainer.optimizer, checkpoint["sharded_dir"], trainer.group)
     else:
