@@ -57,6 +57,16 @@ def test_every_item_once_per_epoch(size: int, workers: str, worlds: Any) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_stream_that_shards_itself_is_read_as_it_is(size: int, worlds: Any) -> None:
+    """ShardedStream: each reader's own contiguous range, not split again: all items once."""
+    _, ranks = worlds(size)
+    for epoch in range(2):
+        seen = sorted(i for data in ranks for i in data["sharded"]["ids"][epoch])
+        assert seen == EVERY_ITEM, f"epoch {epoch}"
+
+
+@pytest.mark.slow
 def test_uneven_stream_ends_together_without_hanging(worlds: Any) -> None:
     """Rank 1's stream holds 40 items, rank 0's 103: rank 1 fills until rank 0's part ends."""
     _, ranks = worlds(2)

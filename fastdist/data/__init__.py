@@ -3,11 +3,12 @@ streams."""
 
 from fastdist.data.batches import TrainBatches, split_batches, window_weights
 from fastdist.data.sampler import ResumableSampler
-from fastdist.data.stream import StreamBatches, StreamShard
+from fastdist.data.stream import ShardedStream, StreamBatches, StreamShard
 from fastdist.data.token_batch import TokenBatchSampler
 
 __all__ = [
     "ResumableSampler",
+    "ShardedStream",
     "StreamBatches",
     "StreamShard",
     "TokenBatchSampler",

@@ -1,7 +1,8 @@
 """Streaming training data: an ``IterableDataset`` sharded over ranks and DataLoader workers.
 
 Every reader (each DataLoader worker of each rank, or each rank without workers) takes a
-disjoint part of the stream: item ``i`` goes to reader ``i % readers`` (:class:`StreamShard`).
+disjoint part of the stream: item ``i`` goes to reader ``i % readers`` (:class:`StreamShard`),
+unless the dataset already reads only its own part and says so (:class:`ShardedStream`).
 Nobody knows in advance how many batches a rank gets, so the ranks agree on each update
 before running it: every rank reads up to ``update_every`` batches and one small all-reduce
 (CPU, on a gloo group of its own) gives every rank every rank's batch sizes
@@ -53,7 +54,7 @@ class StreamShard(IterableDataset):
     ``world_size * workers``). Every reader iterates the whole stream and keeps its items, so
     any iterable can be sharded, at the cost of reading (not training on) everything
     ``readers`` times. Every rank must pass the same stream: one split per rank beforehand
-    would be split again.
+    would be split again (wrap such a stream in :class:`ShardedStream`).
     """
 
     def __init__(self, dataset: Any, rank: int, world_size: int) -> None:
@@ -88,6 +89,26 @@ class StreamShard(IterableDataset):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` at the next ``iter()``."""
         self._resume = state
+
+
+class ShardedStream(IterableDataset):
+    """A stream that reads only this reader's part itself: fastdist takes it as it is.
+
+    Wrap a dataset that splits its sources by rank (``fastdist.get_rank()``) and DataLoader
+    worker (``torch.utils.data.get_worker_info()``), as streaming libraries do, so that it is
+    not split a second time. The parts may differ in length: the ranks still agree on every
+    update and end the epoch together. ``state_dict``/``load_state_dict`` and ``set_epoch`` of
+    the dataset are used as they are.
+
+    Example:
+        >>> trainer = DistTrainer(ShardedStream(my_sharded_stream), model, ...)
+    """
+
+    def __init__(self, dataset: IterableDataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.dataset)
 
 
 class CountingCollate:
@@ -132,8 +153,11 @@ class StreamBatches:
     ) -> None:
         self.rank, self.world_size, self.update_every = rank, world_size, update_every
         self.group, self.wait = group, wait
-        self.shard = StreamShard(data, rank, world_size)
-        self.stateful = is_stateful(data)
+        self.source: IterableDataset
+        if isinstance(data, ShardedStream):  # reads its own part: taken as it is
+            self.source, self.stateful = data.dataset, is_stateful(data.dataset)
+        else:
+            self.source, self.stateful = StreamShard(data, rank, world_size), is_stateful(data)
         loader_class: Any = DataLoader
         if self.stateful:
             try:
@@ -147,7 +171,7 @@ class StreamBatches:
         with warnings.catch_warnings():  # torchdata 0.11 still calls torch.set_vital
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             self.loader = loader_class(
-                self.shard,
+                self.source,
                 batch_size,
                 drop_last=drop_last,
                 collate_fn=CountingCollate(collate_fn or default_collate),
@@ -167,7 +191,8 @@ class StreamBatches:
 
     def begin(self, epoch: int, samples: int, batches: int) -> None:
         """Start a pass of ``epoch`` from the position ``(samples, batches)``."""
-        self.shard.set_epoch(epoch)
+        if hasattr(self.source, "set_epoch"):
+            self.source.set_epoch(epoch)
         self.weights = []
         self._ends = {0: (samples, batches)}
 

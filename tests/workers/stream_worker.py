@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 from data_worker import StopAt, _resume_pair
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 from trainer_worker import SampleIds, ToyData, flat_params, make_trainer, write_json
 
 from fastdist import AccuracyMetric, Callback, DistTrainer, get_rank, get_world_size
+from fastdist.data import ShardedStream
 
 N_ITEMS = 103
 # Batches of 3 split 103 items unevenly over 2 ranks: 52 items make 18 batches, 51 make 17.
@@ -57,6 +58,18 @@ class StatefulStream(Stream):
         self.position = state["position"]
 
 
+class OwnPart(Stream):
+    """Reads only its reader's contiguous range of the items, as a sharded source does
+    (readers: DataLoader workers of all ranks; the ranges differ in length by one)."""
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        readers, reader = get_world_size() * workers, get_rank() * workers + worker
+        for i in range(self.n * reader // readers, self.n * (reader + 1) // readers):
+            yield self.data[i]
+
+
 def stream_trainer(data: IterableDataset, **kwargs: Any) -> DistTrainer:
     """The toy trainer on a stream: batches of 3, update_every 2, two epochs, 60 s timeout."""
     torch.manual_seed(0)
@@ -86,6 +99,13 @@ def case_coverage() -> dict[str, Any]:
             "final": flat_params(trainer.model),
         }
     return results
+
+
+def case_sharded() -> dict[str, Any]:
+    """A stream that shards itself, wrapped in ShardedStream, 2 workers: read as it is."""
+    ids = SampleIds()
+    stream_trainer(ShardedStream(OwnPart()), num_workers=2, callbacks_all=[ids]).train()
+    return {"ids": ids.epochs}
 
 
 def case_uneven() -> dict[str, Any]:
@@ -156,6 +176,7 @@ def main(argv: list[str]) -> int:
     out = Path(argv[1])
     results = {
         "coverage": case_coverage(),
+        "sharded": case_sharded(),
         "resume": case_resume(out),
         "restart": case_restart(out),
     }
