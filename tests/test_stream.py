@@ -68,13 +68,15 @@ def test_a_stream_that_shards_itself_is_read_as_it_is(size: int, worlds: Any) ->
 
 @pytest.mark.slow
 def test_uneven_stream_ends_together_without_hanging(worlds: Any) -> None:
-    """Rank 1's stream holds 40 items, rank 0's 103: rank 1 fills until rank 0's part ends."""
+    """Rank 1's stream holds 40 items, rank 0's 103: rank 1 fills until rank 0's part ends,
+    under DDP and under FSDP (whose every forward is a collective)."""
     _, ranks = worlds(2)
-    first, second = (data["uneven"] for data in ranks)
-    assert first["steps"] == second["steps"] == 9  # rank 0's 52 items: 18 batches, 9 updates
-    assert sorted(first["ids"][0]) == EVERY_ITEM[0::2]
-    assert sorted(second["ids"][0]) == list(range(1, 40, 2))
-    assert first["final"] == second["final"]
+    for strategy in ("ddp", "fsdp"):
+        first, second = (data["uneven"][strategy] for data in ranks)
+        assert first["steps"] == second["steps"] == 9  # rank 0's 52 items: 18 batches
+        assert sorted(first["ids"][0]) == EVERY_ITEM[0::2]
+        assert sorted(second["ids"][0]) == list(range(1, 40, 2))
+        assert first["final"] == second["final"]
 
 
 @pytest.mark.slow

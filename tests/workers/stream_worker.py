@@ -110,12 +110,17 @@ def case_sharded() -> dict[str, Any]:
 
 def case_uneven() -> dict[str, Any]:
     """A rank-dependent stream (against the rule, to force a very uneven split): rank 0 keeps
-    52 of its 103 items, rank 1 20 of its 40; rank 1 fills while rank 0 trains on."""
-    ids = SampleIds()
-    n = 40 if get_rank() == 1 else N_ITEMS
-    trainer = stream_trainer(Stream(n), callbacks_all=[ids], n_epochs=1)
-    steps = trainer.train()["steps"]
-    return {"ids": ids.epochs, "steps": steps, "final": flat_params(trainer.model)}
+    52 of its 103 items, rank 1 20 of its 40; rank 1 fills while rank 0 trains on. Under DDP,
+    and under FSDP, where every forward is a collective."""
+    results = {}
+    for strategy in ("ddp", "fsdp"):
+        ids = SampleIds()
+        n = 40 if get_rank() == 1 else N_ITEMS
+        trainer = stream_trainer(Stream(n), callbacks_all=[ids], n_epochs=1, strategy=strategy)
+        steps = trainer.train()["steps"]
+        final = flat_params(trainer.model) if strategy == "ddp" else None  # FSDP: shards
+        results[strategy] = {"ids": ids.epochs, "steps": steps, "final": final}
+    return results
 
 
 def case_empty() -> dict[str, Any]:
