@@ -94,11 +94,14 @@ class StreamShard(IterableDataset):
 class ShardedStream(IterableDataset):
     """A stream that reads only this reader's part itself: fastdist takes it as it is.
 
-    Wrap a dataset that splits its sources by rank (``fastdist.get_rank()``) and DataLoader
-    worker (``torch.utils.data.get_worker_info()``), as streaming libraries do, so that it is
-    not split a second time. The parts may differ in length: the ranks still agree on every
-    update and end the epoch together. ``state_dict``/``load_state_dict`` and ``set_epoch`` of
-    the dataset are used as they are.
+    Wrap a dataset that splits its sources by rank and DataLoader worker, as streaming
+    libraries do, so that it is not split a second time. Read the rank when the dataset is
+    built (``fastdist.get_rank()``, in the main process) and the worker in ``__iter__``
+    (``torch.utils.data.get_worker_info()``): ``__iter__`` runs in forked DataLoader workers,
+    where torch.distributed must not be called (a worker that did stalled once in our tests).
+    The parts may differ in length: the ranks still agree on every update and end the epoch
+    together. ``state_dict``/``load_state_dict`` and ``set_epoch`` of the dataset are used as
+    they are.
 
     Example:
         >>> trainer = DistTrainer(ShardedStream(my_sharded_stream), model, ...)

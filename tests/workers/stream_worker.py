@@ -60,12 +60,18 @@ class StatefulStream(Stream):
 
 class OwnPart(Stream):
     """Reads only its reader's contiguous range of the items, as a sharded source does
-    (readers: DataLoader workers of all ranks; the ranges differ in length by one)."""
+    (readers: DataLoader workers of all ranks; the ranges differ in length by one). The rank
+    is read when it is built, in the main process: ``__iter__`` runs in forked DataLoader
+    workers, where torch.distributed must not be called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rank, self.world_size = get_rank(), get_world_size()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        readers, reader = get_world_size() * workers, get_rank() * workers + worker
+        readers, reader = self.world_size * workers, self.rank * workers + worker
         for i in range(self.n * reader // readers, self.n * (reader + 1) // readers):
             yield self.data[i]
 
