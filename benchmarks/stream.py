@@ -23,9 +23,9 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset  # noqa: E402
+from worker import Timing, make_sync  # noqa: E402
 from workloads import WORKLOADS, Workload, build_data, build_model, build_optimizer, plan  # noqa: E402
 
 from fastdist import Callback, DistTrainer, get_world_size, is_master, logger  # noqa: E402
@@ -42,31 +42,25 @@ class Stream(IterableDataset):
         return (self.data[i] for i in range(len(self.data)))  # type: ignore[arg-type]
 
 
-class Clock(Callback):
-    """Wall seconds per update from update ``warmup`` to the end of training."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup, self.start, self.seconds_per_update = warmup, 0.0, 0.0
-
-    def on_step_end(self) -> None:
-        if self.trainer.state.global_step == self.warmup:
-            self.start = time.perf_counter()
-
-    def on_train_end(self) -> None:
-        steps = self.trainer.state.global_step - self.warmup
-        self.seconds_per_update = (time.perf_counter() - self.start) / steps
-
-
 def train(wl: Workload, data: Any, epochs: int) -> float:
-    """Milliseconds per update of one fastdist run on ``data``."""
+    """Milliseconds per update of one fastdist run on ``data``, after ``wl.warmup`` updates."""
     model = build_model(wl)
-    clock = Clock(wl.warmup)
-    DistTrainer(
+    timing, sync = Timing(), make_sync(torch.device("cpu"))
+
+    class Clock(Callback):
+        def on_step_end(self) -> None:
+            if self.trainer.state.global_step == wl.warmup:
+                timing.start(sync)
+
+        def on_train_end(self) -> None:
+            timing.stop(sync)
+
+    trainer = DistTrainer(
         data,
         model,
         build_optimizer(model),
         loss=nn.CrossEntropyLoss(),
-        callbacks_all=[clock],
+        callbacks_all=[Clock()],
         batch_size_per_gpu=wl.batch_size,
         update_every=wl.update_every,
         n_epochs=epochs,
@@ -74,8 +68,9 @@ def train(wl: Workload, data: Any, epochs: int) -> float:
         use_tqdm=False,
         device="cpu",
         load_best_model=False,
-    ).train()
-    return clock.seconds_per_update * 1e3
+    )
+    trainer.train()
+    return (timing.t1 - timing.t0) / (trainer.state.global_step - wl.warmup) * 1e3
 
 
 def agreement_us(update_every: int, repeats: int = 2000) -> float:
@@ -115,8 +110,6 @@ def main() -> None:
             f"median stream/map {statistics.median(ratios):.3f}; agreement all-reduce alone "
             f"{agreement:.0f} us"
         )
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
