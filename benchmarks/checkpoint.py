@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from fastdist.trainer.checkpoint import CheckpointDir
+from fastdist.checkpoint.files import CheckpointDir
 
 
 def payload(n_params: float) -> dict:

@@ -52,7 +52,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.utils.data import TensorDataset
     from worker import COUNTER, counting_hook, install_all_reduce_counter
 
-    from fastdist import AccuracyMetric, DistTrainer, LossMetric, get_rank
+    from fastdist import DDP, AccuracyMetric, DistTrainer, LossMetric, get_rank
     from fastdist.callbacks import Callback
 
     torch.set_num_threads(1)
@@ -106,8 +106,10 @@ def worker(args: argparse.Namespace) -> None:
             use_tqdm=False,
             device="cpu",
             load_best_model=False,
-            ddp_comm_hook=option if option in ("fp16", "powersgd") else None,
-            average_every=args.average_every if option == "local_sgd" else 0,
+            strategy=DDP(
+                comm_hook=option if option in ("fp16", "powersgd") else None,
+                average_every=args.average_every if option == "local_sgd" else 0,
+            ),
         )
         out = trainer.train()
         steps = out["steps"]

@@ -55,8 +55,8 @@ def worker(args: argparse.Namespace) -> None:
         get_world_size,
         init_distributed,
     )
+    from fastdist.evaluation import Evaluator
     from fastdist.metrics import AccuracyMetric
-    from fastdist.trainer.evaluator import Evaluator
 
     torch.set_num_threads(1)
     init_distributed(backend="gloo")
@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
     def forward(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return module(batch[0])
 
-    evaluator = Evaluator(model, forward, [AccuracyMetric()], device, args.batch_size)
+    evaluator = Evaluator(model, False, forward, [AccuracyMetric()], device, args.batch_size)
 
     @torch.no_grad()
     def rank0_alone() -> dict[str, float]:

@@ -118,7 +118,7 @@ def worker(args: argparse.Namespace) -> None:
         get_world_size,
         init_distributed,
     )
-    from fastdist.trainer.predict import predict
+    from fastdist.evaluation.predict import predict
 
     torch.set_num_threads(1)
     init_distributed(backend="gloo")
@@ -200,7 +200,7 @@ def main() -> None:
     args = parse_args()
     mib: Callable[[float], str] = lambda b: f"{b / MiB:.1f}"  # noqa: E731
     bare = idle_rss("import torch")
-    full = idle_rss("import torch, fastdist.trainer.predict")
+    full = idle_rss("import torch, fastdist.evaluation.predict")
     print(f"idle RSS: python + import torch {mib(bare)} MiB; + fastdist {mib(full)} MiB")
     print(
         f"{args.n} samples x 32 -> MLP 32-256-10 -> 10 logits per sample, "

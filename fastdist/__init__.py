@@ -20,12 +20,14 @@ from fastdist.distributed import (
     rank_zero_first,
     rank_zero_only,
 )
+from fastdist.evaluation import predict
 from fastdist.logging import add_file, init_logger_dist, logger
 from fastdist.losses import CrossEntropyLoss, Loss
 from fastdist.metrics import AccuracyMetric, ClassifyFPreRecMetric, LossMetric, Metric
 from fastdist.seed import set_seed
+from fastdist.state import TrainerState
+from fastdist.strategies import DDP, FSDP
 from fastdist.trainer import DistTrainer
-from fastdist.trainer.predict import predict
 
 __version__ = "0.1.0"
 
@@ -34,10 +36,13 @@ __all__ = [
     "Callback",
     "ClassifyFPreRecMetric",
     "CrossEntropyLoss",
+    "DDP",
     "DistTrainer",
+    "FSDP",
     "Loss",
     "LossMetric",
     "Metric",
+    "TrainerState",
     "add_file",
     "all_gather_object",
     "barrier",

@@ -1,4 +1,7 @@
-"""The small state object callbacks read instead of the trainer's internals."""
+"""The small state object callbacks read instead of the trainer's internals.
+
+It sits below the trainer and the callbacks, the two packages that share it.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ class TrainerState:
         loss: mean training loss over all ranks since the previous logging step.
         eval_result: the latest evaluation result, e.g. ``{"acc": 0.93}``.
         best_eval: the best evaluation result so far, with ``best_epoch`` and ``best_step``.
-        stop_requested: set by :meth:`DistTrainer.request_stop`; agreed across ranks.
+        stop_requested: set by :meth:`DistTrainer.request_stop`; agreed across ranks at the next
+            sync point.
         rank_times: every rank's mean time per update since the previous log step (or
             evaluation, checkpoint), one dict per rank: ``rank``, ``update_ms`` (data +
             compute), ``data_ms``, ``compute_ms``, ``collective_ms``; see
@@ -59,8 +63,27 @@ class TrainerState:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Where training is, without what is transient (see :data:`TRANSIENT`)."""
+        return {k: v for k, v in asdict(self).items() if k not in TRANSIENT}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; transient fields in an older checkpoint are ignored."""
         for key, value in state.items():
-            setattr(self, key, value)
+            if key not in TRANSIENT:
+                setattr(self, key, value)
+
+
+#: Fields that describe the moment, not the position: a resumed run never inherits them (a
+#: stop agreed at a checkpoint step would otherwise stop the resumed run again), and
+#: ``n_epochs``/``total_steps`` come from the resumed run's own options.
+TRANSIENT = frozenset(
+    {
+        "batch_idx",
+        "is_update",
+        "is_filler",
+        "stop_requested",
+        "rank_times",
+        "n_epochs",
+        "total_steps",
+    }
+)

@@ -7,6 +7,7 @@ shows that many GPUs and are skipped with the reason elsewhere.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,19 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from launch import TORCHRUN_VARS  # noqa: E402
+
+from fastdist.logging import logger  # noqa: E402
+
+
+@pytest.fixture
+def log_lines() -> Iterator[list[str]]:
+    """Messages fastdist's logger emits meanwhile (it does not propagate to caplog)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(f"{record.levelname} {record.getMessage()}")
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)
 
 
 @pytest.fixture

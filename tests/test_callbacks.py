@@ -25,9 +25,10 @@ from fastdist.callbacks import (
     LRSchedulerCallback,
     WarmupCallback,
 )
+from fastdist.callbacks.callback import state_keys
 from fastdist.data import split_batches, window_weights
+from fastdist.data.feed import make_forward, to_device
 from fastdist.losses import as_loss_fn
-from fastdist.trainer.batch import make_forward, to_device
 from fastdist.trainer.precision import Precision
 
 # ----- WarmupCallback -----
@@ -389,12 +390,46 @@ def test_as_loss_fn() -> None:
 # ----- resuming with other callbacks -----
 
 
-def test_resume_with_other_callbacks_names_the_list(tmp_path: Path) -> None:
-    """A checkpoint of a run without callbacks_all, resumed by one with a WarmupCallback."""
-    make_trainer(24, save_path=str(tmp_path), n_epochs=1).train()
-    warmed = make_trainer(
-        24, save_path=str(tmp_path), n_epochs=2, callbacks_all=[WarmupCallback(warmup=2)]
+class Debug(Callback):
+    """A stateless callback, as one added for debugging."""
+
+    def on_step_end(self) -> None:
+        pass
+
+
+def test_resume_keys_callback_states_so_other_callbacks_never_block_it(
+    tmp_path: Path, log_lines: list[str]
+) -> None:
+    """Callback states are keyed by class: a resumed run with a stateless callback added and
+    another removed continues, each stateful callback gets its own state back, and a removed
+    stateful one is named in a warning."""
+    first = [Debug(), WarmupCallback(warmup=2), EarlyStopCallback(patience=5)]
+    make_trainer(24, save_path=str(tmp_path), n_epochs=1, callbacks_all=first).train()
+    warmup = WarmupCallback(warmup=2)
+    resumed = make_trainer(
+        24, save_path=str(tmp_path), n_epochs=2, callbacks_all=[warmup, on("on_step_end", _noop)]
     )
-    with pytest.raises(ValueError, match=r"holds 0 callbacks_all state\(s\) but the trainer has 1"):
-        warmed.train()
-    assert warmed.train(resume=False)["steps"] == 6  # 24 samples, batch 8: 3 updates an epoch
+    assert resumed.train()["steps"] == 6  # 24 samples, batch 8: 3 updates an epoch
+    assert warmup.base_lrs == [0.1]  # restored, not read from the warmed optimizer
+    lost = [line for line in log_lines if "does not have" in line]
+    assert len(lost) == 1 and "callbacks_all['EarlyStopCallback#0']" in lost[0], log_lines
+    assert "Debug" not in lost[0] and "WarmupCallback" not in lost[0]
+
+
+def _noop(trainer: Any) -> None:
+    pass
+
+
+def test_callbacks_of_one_class_are_keyed_by_index_or_state_key() -> None:
+    class Named(Callback):
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+        @property
+        def state_key(self) -> str:
+            return self.key
+
+    keyed = state_keys([WarmupCallback(), Named("a"), WarmupCallback()], "callbacks_all")
+    assert list(keyed) == ["WarmupCallback#0", "a", "WarmupCallback#1"]
+    with pytest.raises(ValueError, match="two callbacks with state_key 'a'"):
+        state_keys([Named("a"), Named("a")], "callbacks_master")

@@ -15,7 +15,7 @@ from launch import GPU_ENV, free_port, run_python
 
 import fastdist
 from fastdist.distributed.env import gpu_shortage
-from fastdist.trainer.validation import resolve_device
+from fastdist.trainer.arguments import resolve_device
 
 
 def test_gpu_shortage_names_the_counts_and_the_fixes() -> None:

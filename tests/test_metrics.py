@@ -224,7 +224,7 @@ def test_as_fastdist_metric(torchmetrics: Any) -> None:
 @pytest.mark.slow
 def test_fastdist_does_not_import_torchmetrics() -> None:
     code = (
-        "import sys, fastdist, fastdist.metrics_torchmetrics, fastdist.trainer.predict\n"
+        "import sys, fastdist, fastdist.metrics_torchmetrics, fastdist.evaluation.predict\n"
         "assert 'torchmetrics' not in sys.modules, 'imported torchmetrics'\n"
         "assert not fastdist.metrics_torchmetrics.is_torchmetrics_metric(1)\n"
     )

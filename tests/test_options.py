@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from launch import run_torchrun
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from fastdist import DistTrainer
+from fastdist import DDP, DistTrainer
 from fastdist.trainer.precision import Precision
 
 WORKER = Path(__file__).resolve().parent / "workers" / "options_worker.py"
@@ -55,12 +56,26 @@ def test_fp16_needs_cuda() -> None:
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"ddp_comm_hook": "gzip"}, "ddp_comm_hook must be None, fp16, bf16 or powersgd"),
-        ({"ddp_comm_hook": "bf16"}, "ddp_comm_hook='bf16' needs CUDA and NCCL"),
-        ({"ddp_comm_hook": "fp16", "average_every": 2}, "choose one"),
-        ({"on_nonfinite": "skip", "average_every": 2}, "on_nonfinite='skip' needs the grad"),
+        ({"comm_hook": "gzip"}, r"comm_hook must be one of None, 'fp16', 'bf16', 'powersgd'"),
+        ({"comm_hook": "fp16", "average_every": 2}, "choose one"),
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a number > 0"),
+        ({"average_every": -1}, "average_every must be an integer >= 0"),
+    ],
+)
+def test_bad_strategy_options_are_refused_when_built(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DDP(**options)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"strategy": DDP(comm_hook="bf16")}, "comm_hook='bf16' needs CUDA and NCCL"),
+        (
+            {"on_nonfinite": "skip", "strategy": DDP(average_every=2)},
+            "on_nonfinite='skip' needs the grad",
+        ),
         ({"fp16": True}, "amp='fp16' needs a CUDA device"),
-        ({"bucket_cap_mb": 0}, "bucket_cap_mb must be > 0"),
     ],
 )
 def test_bad_options_are_refused(options: dict, message: str, no_dist_env: None) -> None:
@@ -68,3 +83,29 @@ def test_bad_options_are_refused(options: dict, message: str, no_dist_env: None)
     data = TensorDataset(torch.zeros(4, 2), torch.zeros(4, 1))
     with pytest.raises(ValueError, match=message):
         DistTrainer(data, model, loss=nn.MSELoss(), **{"device": "cpu", **options})
+
+
+@pytest.mark.parametrize(
+    "flat, home",
+    [
+        ({"bucket_cap_mb": 50}, "strategy=DDP(bucket_cap_mb=50)"),
+        ({"find_unused_parameters": True}, "strategy=DDP(find_unused_parameters=True)"),
+        ({"ddp_comm_hook": "powersgd"}, "strategy=DDP(comm_hook='powersgd')"),
+        ({"average_every": 4}, "strategy=DDP(average_every=4)"),
+        ({"reshard_after_forward": False}, "strategy=FSDP(reshard_after_forward=False)"),
+    ],
+)
+def test_a_flat_strategy_keyword_names_its_new_home(
+    flat: dict, home: str, no_dist_env: None
+) -> None:
+    model = nn.Linear(2, 1)
+    data = TensorDataset(torch.zeros(4, 2), torch.zeros(4, 1))
+    with pytest.raises(TypeError, match=re.escape(home)):
+        DistTrainer(data, model, loss=nn.MSELoss(), device="cpu", **flat)
+
+
+def test_an_unknown_keyword_suggests_the_name_meant(no_dist_env: None) -> None:
+    model = nn.Linear(2, 1)
+    data = TensorDataset(torch.zeros(4, 2), torch.zeros(4, 1))
+    with pytest.raises(TypeError, match="'batch_size'; did you mean batch_size_per_gpu"):
+        DistTrainer(data, model, loss=nn.MSELoss(), device="cpu", batch_size=4)

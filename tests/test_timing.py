@@ -8,7 +8,6 @@ and of the report's logic.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,13 +16,12 @@ from typing import Any
 
 import pytest
 import torch
+from inprocess import make_trainer
 from launch import Result, run_ranks
 
 from fastdist.callbacks import ProfilerCallback
 from fastdist.cli import main
 from fastdist.cli.plot import load_run, rank_series
-from fastdist.logging import logger
-from fastdist.trainer.config import TrainerConfig
 from fastdist.trainer.timing import RankTime, RankTimer, SlowRankReport, find_slow
 
 WORKER = Path(__file__).resolve().parent / "workers" / "timing_worker.py"
@@ -163,17 +161,6 @@ def test_find_slow_names_the_rank_and_the_part() -> None:
     assert find_slow(tiny, 0.1) == [], "under 1 ms per update is noise"
 
 
-@pytest.fixture
-def log_lines() -> Iterator[list[str]]:
-    """Messages fastdist's logger emits meanwhile (it does not propagate to caplog)."""
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(f"{record.levelname} {record.getMessage()}")
-    logger.addHandler(handler)
-    yield lines
-    logger.removeHandler(handler)
-
-
 def test_the_report_warns_when_it_starts_and_changes_and_sums_up(log_lines: list[str]) -> None:
     ms = 1e-3
     even = [RankTime(0, ms, 10 * ms, 0.0), RankTime(1, ms, 10 * ms, 0.0)]
@@ -205,9 +192,9 @@ def test_threshold_zero_and_other_ranks_stay_quiet(log_lines: list[str]) -> None
 
 
 @pytest.mark.parametrize("bad", [-0.1, "10%", True, None])
-def test_a_bad_threshold_is_refused(bad: Any) -> None:
+def test_a_bad_threshold_is_refused(bad: Any, no_dist_env: None) -> None:
     with pytest.raises(ValueError, match="slow_rank_threshold must be a number >= 0"):
-        TrainerConfig(slow_rank_threshold=bad)
+        make_trainer(ProfilerCallback(), slow_rank_threshold=bad)
 
 
 def test_a_bad_profiler_window_is_refused() -> None:

@@ -28,10 +28,14 @@ EXPECTED = {
     "unknown_keyword": ("TypeError", ["batch_size"]),
     "too_few_samples_for_drop_last": ("ValueError", ["batch_size_per_gpu", "drop_last"]),
     "unknown_strategy": ("ValueError", ["strategy", "deepspeed", "'fsdp'"]),
-    "fsdp_with_comm_hook": ("ValueError", ["ddp_comm_hook", "strategy='fsdp'"]),
-    "fsdp_with_average_every": ("ValueError", ["average_every", "strategy='fsdp'"]),
-    "fsdp_wrap_absent": ("ValueError", ["fsdp_wrap", "Conv2d"]),
-    "fsdp_wrap_without_fsdp": ("ValueError", ["fsdp_wrap", "strategy='fsdp'"]),
+    "flat_ddp_keyword": (
+        "TypeError",
+        ["bucket_cap_mb is an option of fastdist.strategies.DDP", "strategy=DDP(bucket_cap_mb=50)"],
+    ),
+    "flat_comm_hook": ("TypeError", ["ddp_comm_hook", "strategy=DDP(comm_hook='fp16')"]),
+    "flat_fsdp_wrap": ("TypeError", ["fsdp_wrap", "fastdist.strategies.FSDP", "FSDP(wrap="]),
+    "comm_hook_with_average_every": ("ValueError", ["comm_hook", "average_every", "choose one"]),
+    "fsdp_wrap_absent": ("ValueError", ["wrap", "Conv2d"]),
     "cpu_offload_on_cpu": ("ValueError", ["cpu_offload", "CPU"]),
 }
 

@@ -2,13 +2,51 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+import torch
+from torch import nn
 
 from fastdist.distributed.guard import no_collectives
+from fastdist.logging import logger
+from fastdist.state import TrainerState
 
-if TYPE_CHECKING:
-    from fastdist.trainer.dist_trainer import DistTrainer
+
+class _Options(Protocol):
+    @property
+    def print_every(self) -> int: ...
+
+    @property
+    def save_path(self) -> str | None: ...
+
+    def as_dict(self) -> dict[str, Any]: ...
+
+
+class _Precision(Protocol):
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+
+class TrainerView(Protocol):
+    """What a callback may use of the :class:`~fastdist.DistTrainer` running it."""
+
+    state: TrainerState
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    rank: int
+    world_size: int
+    is_master: bool
+    global_batch: int
+
+    @property
+    def options(self) -> _Options: ...
+
+    @property
+    def precision(self) -> _Precision: ...
+
+    def request_stop(self) -> None: ...
 
 
 class Callback:
@@ -25,7 +63,7 @@ class Callback:
         ...         print(self.trainer.optimizer.param_groups[0]["lr"])
     """
 
-    trainer: DistTrainer
+    trainer: TrainerView
 
     def on_train_begin(self) -> None:
         """Before the first epoch."""
@@ -67,11 +105,19 @@ class Callback:
         """When training raises; the exception is re-raised afterwards."""
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint must keep of this callback (tensors and plain data)."""
+        """What a checkpoint must keep of this callback (tensors and plain data); a callback
+        with nothing to keep returns ``{}`` and is left out of checkpoints."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, before ``on_train_begin`` of a resume."""
+
+    @property
+    def state_key(self) -> str | None:
+        """This callback's name in a checkpoint; ``None`` (the default): its class's qualified
+        name and its index among the callbacks of its class in the same list, e.g.
+        ``"WarmupCallback#0"``. Override it to keep the state across a rename or a reorder."""
+        return None
 
 
 HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))  # in loop order
@@ -82,6 +128,9 @@ class CallbackList:
 
     With ``guard_master``, a ``callbacks_master`` hook that calls a collective raises at once
     instead of hanging the job. Hooks a callback does not override are skipped.
+
+    It is the checkpoint part of the callbacks' states, keyed by :attr:`Callback.state_key`:
+    adding or removing a callback between two runs never blocks a resume.
     """
 
     def __init__(
@@ -92,6 +141,12 @@ class CallbackList:
         guard_master: bool = False,
     ) -> None:
         # The one place where the all/master split is decided.
+        self.callbacks_all, self.callbacks_master = list(callbacks_all), list(callbacks_master)
+        self.is_master = is_master
+        self.keyed = {  # on every rank, so that bad keys raise alike everywhere
+            "all": state_keys(callbacks_all, "callbacks_all"),
+            "master": state_keys(callbacks_master, "callbacks_master"),
+        }
         active = [(cb, False) for cb in callbacks_all]
         if is_master:
             active += [(cb, guard_master) for cb in callbacks_master]
@@ -106,7 +161,35 @@ class CallbackList:
         }
         self.current: str | None = None  # the hook running now, for failure reports
 
-    def set_trainer(self, trainer: DistTrainer) -> None:
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """``{"all": {key: state}, "master": {key: state}}`` of the callbacks with a state
+        (rank 0's is the one saved: where callbacks_master ran)."""
+        return {
+            which: {key: state for key, cb in keyed.items() if (state := cb.state_dict())}
+            for which, keyed in self.keyed.items()
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Give each callback its saved state; a callback with none starts fresh, and the
+        saved states no callback claims are named in one warning (on rank 0)."""
+        unclaimed = []
+        for which, keyed in self.keyed.items():
+            saved = _by_key(state[which], keyed, which)
+            if which == "master" and not self.is_master:
+                continue  # callbacks_master run, and are restored, on rank 0 only
+            for key, cb in keyed.items():
+                if key in saved:
+                    cb.load_state_dict(saved[key])
+            unclaimed += [f"callbacks_{which}[{key!r}]" for key in saved if key not in keyed]
+        if unclaimed and self.is_master:
+            logger.warning(
+                "the checkpoint holds the state of %s, which this run does not have: that "
+                "state is not restored (give the callback the same class or state_key to keep "
+                "it)",
+                ", ".join(unclaimed),
+            )
+
+    def set_trainer(self, trainer: TrainerView) -> None:
         for cb in self.callbacks:
             cb.trainer = trainer
 
@@ -158,3 +241,38 @@ class CallbackList:
 
     def on_exception(self, exception: BaseException) -> None:
         self._call("on_exception", exception)
+
+
+def state_keys(callbacks: Sequence[Callback], name: str) -> dict[str, Callback]:
+    """Each callback by its :attr:`~Callback.state_key`; raise on two with the same key."""
+    seen: Counter[str] = Counter()
+    keyed: dict[str, Callback] = {}
+    for cb in callbacks:
+        key = cb.state_key
+        if key is None:
+            cls = type(cb).__qualname__
+            key = f"{cls}#{seen[cls]}"
+            seen[cls] += 1
+        if key in keyed:
+            raise ValueError(
+                f"{name} holds two callbacks with state_key {key!r}: give each its own "
+                "state_key, so that a checkpoint can tell their states apart"
+            )
+        keyed[key] = cb
+    return keyed
+
+
+def _by_key(saved: Any, keyed: dict[str, Callback], which: str) -> dict[str, Any]:
+    """Saved states by key; a format-1 checkpoint's list is matched by position."""
+    if isinstance(saved, dict):
+        return saved
+    if len(saved) == len(keyed):
+        return dict(zip(keyed, saved, strict=True))
+    if any(saved):
+        raise ValueError(
+            f"the checkpoint (format 1) holds {len(saved)} callbacks_{which} state(s) by "
+            f"position but the trainer has {len(keyed)} callbacks_{which}: resume with the "
+            "callbacks of the run that wrote it, in its order, or start afresh with "
+            "train(resume=False) or another save_path"
+        )
+    return {}

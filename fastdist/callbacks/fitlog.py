@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -41,7 +40,7 @@ class FitlogCallback(Callback):
         hypers = {"world_size": trainer.world_size, "lr": trainer.optimizer.param_groups[0]["lr"]}
         hypers.update(
             (name, value)
-            for name, value in dataclasses.asdict(trainer.config).items()
+            for name, value in trainer.options.as_dict().items()
             if isinstance(value, (int, float, str)) and not isinstance(value, bool)
         )
         for name, value in hypers.items():
@@ -49,7 +48,7 @@ class FitlogCallback(Callback):
 
     def on_step_end(self) -> None:
         state = self.trainer.state
-        if state.global_step % self.trainer.config.print_every == 0 and state.loss is not None:
+        if state.global_step % self.trainer.options.print_every == 0 and state.loss is not None:
             self.fitlog.add_loss(state.loss, name="loss", step=state.global_step, epoch=state.epoch)
 
     def on_valid_end(self, eval_result: dict[str, float], metric_key: str, is_better: bool) -> None:

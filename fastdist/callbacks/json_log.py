@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -62,7 +61,7 @@ class JSONLogCallback(Callback):
         """The file this callback writes: ``path``, or the default described above."""
         if self.path is not None:
             return self.path
-        save_path = self.trainer.config.save_path
+        save_path = self.trainer.options.save_path
         return os.path.join(save_path or os.curdir, DEFAULT_FILE_NAME)
 
     def on_train_begin(self) -> None:
@@ -77,7 +76,6 @@ class JSONLogCallback(Callback):
         self._last_step = trainer.state.global_step
         self._eval_seconds = 0.0
         self._valid_start = None
-        cfg = trainer.config
         self._write(
             kind="start",
             step=trainer.state.global_step,
@@ -86,13 +84,13 @@ class JSONLogCallback(Callback):
             start_time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             world_size=trainer.world_size,
             total_steps=trainer.state.total_steps,
-            global_batch=cfg.batch_size_per_gpu * trainer.world_size * cfg.update_every,
-            config=dataclasses.asdict(cfg),
+            global_batch=trainer.global_batch,
+            config=trainer.options.as_dict(),
         )
 
     def on_step_end(self) -> None:
         state = self.trainer.state
-        if state.global_step % self.trainer.config.print_every == 0 and state.loss is not None:
+        if state.global_step % self.trainer.options.print_every == 0 and state.loss is not None:
             self._write_train_record()  # the trainer refreshed state.loss just before
 
     def on_valid_begin(self) -> None:
@@ -152,8 +150,7 @@ class JSONLogCallback(Callback):
         now = time.monotonic()
         seconds = now - self._last_time - self._eval_seconds
         steps = state.global_step - self._last_step
-        cfg = self.trainer.config
-        samples = cfg.batch_size_per_gpu * self.trainer.world_size * cfg.update_every * steps
+        samples = self.trainer.global_batch * steps
         self._last_time, self._last_step, self._eval_seconds = now, state.global_step, 0.0
         self._write(
             kind="train",

@@ -8,8 +8,8 @@ from typing import Any
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from fastdist.callbacks.callback import Callback
+from fastdist.checks import check_int
 from fastdist.logging import logger
-from fastdist.trainer.config import _check_int as check_int
 
 
 class ProfilerCallback(Callback):

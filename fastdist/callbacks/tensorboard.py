@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -81,12 +80,11 @@ class TensorBoardCallback(Callback):
     def hparams(self) -> dict[str, bool | int | float | str]:
         """The recorded hyper-parameters; values that are not scalars become strings."""
         trainer = self.trainer
-        cfg = trainer.config
         optimizer = trainer.optimizer
         values: dict[str, Any] = {
             "world_size": trainer.world_size,
-            "global_batch": cfg.batch_size_per_gpu * trainer.world_size * cfg.update_every,
-            **dataclasses.asdict(cfg),
+            "global_batch": trainer.global_batch,
+            **trainer.options.as_dict(),
             "optimizer": type(optimizer).__name__,
             "lr": optimizer.param_groups[0]["lr"],
             **self.extra_hparams,
@@ -101,7 +99,7 @@ class TensorBoardCallback(Callback):
             return
         trainer = self.trainer
         state = trainer.state
-        if state.global_step % trainer.config.print_every or state.loss is None:
+        if state.global_step % trainer.options.print_every or state.loss is None:
             return  # the trainer refreshes state.loss every print_every updates
         self.writer.add_scalar("train/loss", state.loss, state.global_step)
         for i, group in enumerate(trainer.optimizer.param_groups):

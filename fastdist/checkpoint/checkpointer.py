@@ -1,82 +1,155 @@
-"""When to checkpoint and where from to resume; a no-op when there is no checkpoint directory."""
+"""Checkpoints as a dict of named parts, each of which saves and restores itself.
+
+A *part* is any object with ``state_dict()``/``load_state_dict()`` registered under a stable
+name, with a *scope* that says where its state lives:
+
+* ``REPLICATED``: the same on every rank; rank 0's is saved once and every rank loads it.
+* ``PER_RANK``: each rank's own (its random generators, a stream's position, PowerSGD's error
+  feedback); every rank's is saved and each rank gets its own back. On another world size the
+  part decides: ``load_resized(states)`` gets every saved rank's state.
+* ``SHARDED``: held in shards (FSDP's DTensors); every rank writes its shards with DCP, which
+  reshards them on load. ``state_dict()`` returns the state dict DCP loads into in place.
+
+The checkpointer saves what is registered and nothing else; it is a no-op without a
+directory, so the loop calls it unconditionally.
+"""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from fastdist.distributed import all_gather_object
+from fastdist.checkpoint.files import SHARDED_REST, CheckpointDir, atomic_save, load_checkpoint
+from fastdist.checkpoint.format1 import upgrade
+from fastdist.checkpoint.sharded import load_shards, publish, write_shards
+from fastdist.distributed import gather_object, get_rank, get_world_size
 from fastdist.logging import logger
-from fastdist.trainer.checkpoint import (
-    SHARDED_REST,
-    CheckpointDir,
-    atomic_save,
-    load_checkpoint,
-    rng_state,
-)
-from fastdist.trainer.sharded_checkpoint import load_shards, publish, write_shards
 
-if TYPE_CHECKING:
-    from fastdist.trainer.dist_trainer import DistTrainer
+REPLICATED, PER_RANK, SHARDED = "replicated", "per_rank", "sharded"
+#: The layout this module writes: {"format", "world_size", "parts", "per_rank", "sharded"}
+#: (the names of the parts in the DCP shards).
+FORMAT = 2
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class Part:
+    """A registered part: its name in the checkpoint, the object, its scope."""
+
+    name: str
+    obj: Any  # Stateful; a PER_RANK part also has load_resized(states)
+    scope: str
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a restored checkpoint came from."""
+
+    path: str
+    world_size: int
 
 
 class Checkpointer:
-    """Saves ``trainer.state_dict()`` plus every rank's RNG state and data position (a
-    stream's loader state); finds one to resume from.
+    """Saves every registered part; finds a checkpoint to resume from and restores them.
 
     Args:
-        directory: where checkpoints go; ``None`` disables checkpointing (every method then
-            does nothing, so the loop calls them unconditionally).
+        directory: where checkpoints go; ``None`` disables checkpointing.
         every: also checkpoint every N optimizer updates (0: at epoch ends only).
         keep: how many of the newest checkpoints to keep.
-        sharded: every rank writes its shard of the model and optimizer state with DCP
-            (``strategy="fsdp"``, also on one process, so that any world size resumes it).
+        group: the process group of the checkpoint's collectives.
     """
 
-    def __init__(self, directory: str | None, every: int, keep: int, sharded: bool) -> None:
+    def __init__(self, directory: str | None, every: int, keep: int, group: Any = None) -> None:
         self.dir = CheckpointDir(directory, keep) if directory else None
         self.every = every
-        self.sharded = sharded
+        self.group = group
+        self.rank, self.world_size = get_rank(), get_world_size()
+        self.parts: dict[str, Part] = {}
+
+    def register(self, name: str, obj: Any, scope: str = REPLICATED) -> None:
+        """Save ``obj``'s state under ``name`` in every checkpoint, restore it on resume."""
+        if name in self.parts:
+            raise ValueError(f"a checkpoint part is already registered as {name!r}")
+        if scope == PER_RANK and not callable(getattr(obj, "load_resized", None)):
+            raise TypeError(f"per-rank part {name!r} needs load_resized(states)")
+        self.parts[name] = Part(name, obj, scope)
 
     def due(self, step: int) -> bool:
         """Whether the schedule asks for a checkpoint after update ``step``."""
         return self.dir is not None and self.every > 0 and step % self.every == 0
 
-    def save(self, trainer: DistTrainer) -> None:
-        """Gather every rank's RNG state and data position (a collective), then rank 0 writes
-        the checkpoint."""
+    def save(self, step: int) -> str | None:
+        """Write a checkpoint of every part (a collective); return its path on rank 0."""
         if self.dir is None:
-            return
-        ranks = all_gather_object((rng_state(), trainer.data.state_dict()), trainer.group)
-        per_rank = {"rng": [rng for rng, _ in ranks], "data": [data for _, data in ranks]}
-        step = trainer.state.global_step
-        if self.sharded:
-            path = self._save_sharded(trainer, dict(trainer.state_dict(), **per_rank), step)
-        elif trainer.is_master:
-            path = self.dir.save(dict(trainer.state_dict(), **per_rank), step)
-        if trainer.is_master:
-            logger.info("checkpoint written: %s", path)
+            return None
+        own = {p.name: p.obj.state_dict() for p in self._scoped(PER_RANK)}
+        ranks = gather_object(own, self.group)  # the per-rank states, on rank 0
+        content: dict[str, Any] = {}
+        if ranks is not None:
+            content = {
+                "format": FORMAT,
+                "world_size": self.world_size,
+                "parts": {p.name: p.obj.state_dict() for p in self._scoped(REPLICATED)},
+                "per_rank": {name: [states[name] for states in ranks] for name in own},
+                "sharded": [p.name for p in self._scoped(SHARDED)],
+            }
+        sharded = {p.name: p.obj.state_dict() for p in self._scoped(SHARDED)}
+        if sharded:
+            path = self._save_sharded(sharded, content, step)
+        elif self.rank == 0:
+            path = self.dir.save(content, step)
+        if self.rank != 0:
+            return None
+        logger.info("checkpoint written: %s", path)
+        return path
 
-    def _save_sharded(self, trainer: DistTrainer, rest: dict[str, Any], step: int) -> str:
+    def _save_sharded(self, sharded: dict[str, Any], content: dict[str, Any], step: int) -> str:
         """Shards by every rank into a temp dir, the rest by rank 0, one rename, the manifest."""
         assert self.dir is not None
         path = os.path.join(self.dir.directory, f"step-{step:08d}")
         tmp = os.path.join(self.dir.directory, f".tmp-step-{step:08d}")
-        group, master = trainer.group, trainer.is_master
-        write_shards(trainer.model, trainer.optimizer, tmp, master, group)
+        master = self.rank == 0
+        write_shards(sharded, tmp, master, self.group)
         if master:
-            crc32 = atomic_save(rest, os.path.join(tmp, SHARDED_REST))
-        publish(tmp, path, group, master)  # after every rank finished writing
+            crc32 = atomic_save(content, os.path.join(tmp, SHARDED_REST))
+        publish(tmp, path, self.group, master)  # after every rank finished writing
         if master:
             self.dir.record(path, crc32, step)
         return path
 
-    def find(self, resume: bool | str | os.PathLike) -> tuple[dict[str, Any], str] | None:
-        """The checkpoint ``train(resume=...)`` asks for, with its path, or ``None``.
+    def restore(self, resume: bool | str | os.PathLike) -> Resumed | None:
+        """Restore every part from the checkpoint ``train(resume=...)`` asks for (a collective
+        for sharded parts): ``"auto"``: the newest valid one in the directory, if any; a path:
+        that one; ``False``: none. Return where it came from."""
+        found = self._find(resume)
+        if found is None:
+            return None
+        saved, path = found
+        checkpoint = upgrade(saved)
+        for part in self.parts.values():
+            self._check_saved(checkpoint, part, path)
+        for part in self._scoped(REPLICATED):
+            part.obj.load_state_dict(checkpoint["parts"][part.name])
+        for part in self._scoped(PER_RANK):
+            states = checkpoint["per_rank"][part.name]
+            if len(states) == self.world_size:
+                part.obj.load_state_dict(states[self.rank])
+            else:
+                part.obj.load_resized(states)
+        sharded = {p.name: p.obj.state_dict() for p in self._scoped(SHARDED)}
+        if sharded:
+            load_shards(sharded, path, self.group)
+            for part in self._scoped(SHARDED):
+                part.obj.load_state_dict(sharded[part.name])
+        return Resumed(path, checkpoint["world_size"])
 
-        ``"auto"``: the newest valid checkpoint in the directory, if any; a path: that file;
-        ``False``: none.
-        """
+    def _find(self, resume: bool | str | os.PathLike) -> tuple[dict[str, Any], str] | None:
         if resume is False:
             return None
         if resume == "auto":
@@ -84,69 +157,27 @@ class Checkpointer:
         path = os.fspath(resume)  # type: ignore[arg-type]
         return load_checkpoint(path), path
 
-
-def trainer_state_dict(trainer: DistTrainer) -> dict[str, Any]:
-    """Everything a resumed run needs: a dict of the state dicts of every stateful part
-    (with sharded checkpoints, all but the model and optimizer, which DCP writes)."""
-    tensors = {}
-    if not trainer.checkpointer.sharded:
-        model, optimizer = trainer.model.state_dict(), trainer.optimizer.state_dict()
-        tensors = {"model": model, "optimizer": optimizer}
-    return {
-        "format": 1,
-        **tensors,
-        "callbacks_all": [cb.state_dict() for cb in trainer.callbacks_all],
-        "callbacks_master": [cb.state_dict() for cb in trainer.callbacks_master],
-        "trainer": trainer.state.state_dict(),
-        "precision": trainer.precision.state_dict(),
-        "ddp": trainer.strategy.state_dict(),
-        "best_model_path": trainer.best.path,
-        "world_size": trainer.world_size,
-        "seed": trainer.config.seed,
-    }
-
-
-def load_trainer_state_dict(trainer: DistTrainer, checkpoint: dict[str, Any]) -> None:
-    """Restore what :func:`trainer_state_dict` returned (plus the checkpoint's per-rank ``rng``
-    and ``data`` lists). Raises ``ValueError`` on every rank, before any collective, if the
-    trainer's callbacks do not match the checkpoint's."""
-    for name in ("callbacks_all", "callbacks_master"):  # the same lists on every rank
-        have, saved = len(getattr(trainer, name)), len(checkpoint[name])
-        if have != saved:
+    def _check_saved(self, checkpoint: dict[str, Any], part: Part, path: str) -> None:
+        """Raise (alike on every rank, before any collective) if ``part`` is not in the
+        checkpoint as this run holds it."""
+        where = {
+            REPLICATED: "parts",
+            PER_RANK: "per_rank",
+            SHARDED: "sharded",
+        }
+        saved_in = [scope for scope, key in where.items() if part.name in checkpoint[key]]
+        if part.scope in saved_in:
+            return
+        if saved_in:
             raise ValueError(
-                f"the checkpoint holds {saved} {name} state(s) but the trainer has {have} "
-                f"{name}: resume with the callbacks of the run that wrote it, in its order, or "
-                "start afresh with train(resume=False) or another save_path"
+                f"checkpoint {path} holds {part.name!r} as a {saved_in[0]} state, but this run "
+                f"holds it {part.scope}: resume it under the strategy that wrote it (a sharded "
+                "checkpoint with strategy='fsdp', a full one with strategy='ddp')"
             )
-    if "sharded_dir" in checkpoint:
-        load_shards(trainer.model, trainer.optimizer, checkpoint["sharded_dir"], trainer.group)
-    else:
-        trainer.model.load_state_dict(checkpoint["model"])
-        trainer.optimizer.load_state_dict(checkpoint["optimizer"])
-    callbacks = [*zip(trainer.callbacks_all, checkpoint["callbacks_all"], strict=True)]
-    if trainer.is_master:  # callbacks_master run (and were saved) on rank 0 only
-        callbacks += zip(trainer.callbacks_master, checkpoint["callbacks_master"], strict=True)
-    for cb, cb_state in callbacks:
-        cb.load_state_dict(cb_state)
-    state = trainer.state
-    state.load_state_dict(checkpoint["trainer"])
-    state.n_epochs = trainer.config.n_epochs
-    trainer.precision.load_state_dict(checkpoint["precision"])
-    trainer.strategy.load_state_dict(checkpoint["ddp"])
-    trainer.best.path = checkpoint["best_model_path"]
-    rngs = checkpoint.get("rng", [])
-    trainer._resume_rng = rngs[trainer.rank] if trainer.rank < len(rngs) else None
-    datas = checkpoint.get("data", [])
-    own = datas[trainer.rank] if len(datas) == trainer.world_size else None
-    mid_epoch = not state.epoch_complete and (state.samples_in_epoch or state.batches_in_epoch)
-    if mid_epoch and not trainer.data.resume(own):  # a stream that cannot continue: restart
-        state.samples_in_epoch = state.batches_in_epoch = 0
-    if checkpoint["world_size"] != trainer.world_size:
-        cfg = trainer.config
-        logger.warning(
-            "resuming a %d-process run on %d processes: the rest of the epoch is sharded "
-            "anew; global batch now %d",
-            checkpoint["world_size"],
-            trainer.world_size,
-            cfg.batch_size_per_gpu * trainer.world_size * cfg.update_every,
+        raise ValueError(
+            f"checkpoint {path} holds no {part.name!r} state: it was not written by this "
+            "trainer; pass another checkpoint, or start afresh with train(resume=False)"
         )
+
+    def _scoped(self, scope: str) -> list[Part]:
+        return [part for part in self.parts.values() if part.scope == scope]

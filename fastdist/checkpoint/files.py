@@ -3,6 +3,7 @@
 Layout of a checkpoint directory::
 
     step-00000120.pt     torch.save of a dict of state dicts (tensors and plain data only)
+    step-00000240/       a sharded checkpoint (see :mod:`fastdist.checkpoint.sharded`)
     manifest.json        [{"file": "step-00000120.pt", "crc32": ..., "step": 120}, ...]
 
 A checkpoint is written to a temp file, checksummed, fsynced and renamed; only then is the
@@ -16,20 +17,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import shutil
 import tempfile
 import zlib
 from collections.abc import Iterator
 from typing import IO, Any
 
-import numpy as np
 import torch
 
 from fastdist.logging import logger
 
 MANIFEST = "manifest.json"
-SHARDED_REST = "trainer.pt"  # a sharded checkpoint's non-tensor part
+SHARDED_REST = "trainer.pt"  # a sharded checkpoint's every part but the sharded ones
 
 
 @contextlib.contextmanager
@@ -81,42 +80,6 @@ def _crc32(path: str) -> int:
         for block in iter(lambda: f.read(1 << 20), b""):
             crc = zlib.crc32(block, crc)
     return crc
-
-
-def encode_numpy_state(state: Any) -> dict[str, Any]:
-    """A NumPy ``RandomState.get_state()`` tuple as tensors and plain data."""
-    _, keys, pos, has_gauss, gauss = state
-    return {
-        "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-        "pos": int(pos),
-        "has_gauss": int(has_gauss),
-        "cached_gaussian": float(gauss),
-    }
-
-
-def decode_numpy_state(state: dict[str, Any]) -> tuple:
-    """The tuple ``RandomState.set_state`` takes, from :func:`encode_numpy_state`."""
-    keys = state["keys"].numpy().astype(np.uint32)
-    return ("MT19937", keys, state["pos"], state["has_gauss"], state["cached_gaussian"])
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's random generator states, as tensors and plain data."""
-    return {
-        "python": random.getstate(),
-        "numpy": encode_numpy_state(np.random.get_state(legacy=True)),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned."""
-    random.setstate(state["python"])
-    np.random.set_state(decode_numpy_state(state["numpy"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 class CheckpointDir:
@@ -175,12 +138,9 @@ def _rest_file(path: str) -> str:
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:
-    """Load a checkpoint with ``weights_only=True``: pickled code is refused. A sharded
-    checkpoint (a directory) gives its rest, with ``sharded_dir`` naming where the model and
-    optimizer shards are (loaded by :func:`~fastdist.trainer.sharded_checkpoint.load_shards`)."""
-    if not os.path.isdir(path):
-        return torch.load(path, map_location="cpu", weights_only=True)
-    if not os.path.isfile(os.path.join(path, ".metadata")):
+    """Load a checkpoint file, or a sharded checkpoint's ``trainer.pt``, with
+    ``weights_only=True``: pickled code is refused. (A sharded checkpoint's shards are read by
+    :func:`~fastdist.checkpoint.sharded.load_shards`.)"""
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, ".metadata")):
         raise ValueError(f"{path} holds no DCP metadata: not a complete sharded checkpoint")
-    rest = torch.load(_rest_file(path), map_location="cpu", weights_only=True)
-    return dict(rest, sharded_dir=path)
+    return torch.load(_rest_file(path), map_location="cpu", weights_only=True)

@@ -53,7 +53,7 @@ class TrainBatches:
     (for batch samplers) already trained on by all ranks together, 0 at an epoch's start.
     ``weights`` holds the loss weight of each of this rank's micro-batches of the pass (see
     :func:`window_weights`). :class:`~fastdist.data.stream.StreamBatches` is the same
-    interface for streams.
+    interface for streams; both implement :class:`~fastdist.data.protocol.Batches`.
     """
 
     def __init__(
@@ -154,13 +154,19 @@ class TrainBatches:
         """Whether ``done`` micro-batches are the whole pass."""
         return done == len(self.weights)
 
+    def resume_at(self, samples: int, batches: int) -> tuple[int, int]:
+        """A resumed pass starts at the checkpoint's position: always exact."""
+        return samples, batches
+
     def state_dict(self) -> None:
         """Nothing: the trainer's position (samples, batches) is all a resume needs."""
         return None
 
-    def resume(self, state: Any) -> bool:
-        """A resumed pass starts at the trainer's position: always exact."""
-        return True
+    def load_state_dict(self, state: Any) -> None:
+        """Nothing to restore."""
+
+    def load_resized(self, states: list[Any]) -> None:
+        """Nothing to restore: the rest of the epoch is sharded anew over this world size."""
 
     def position(self, done: int) -> tuple[int, int]:
         """(samples, batches) of the epoch trained on by all ranks after ``done`` micro-batches

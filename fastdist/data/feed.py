@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -22,20 +21,6 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device) for v in batch)
     return batch
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module, active: bool) -> Iterator[None]:
-    """Run in eval mode while ``active`` (a filler: no batch-norm statistics, no dropout)."""
-    if not active:  # the common case: touch nothing (train() walks every module)
-        yield
-        return
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 def make_forward(model: nn.Module) -> Callable[[nn.Module, Any], Any]:

@@ -184,7 +184,9 @@ class StreamBatches:
         self.weights: list[float] = []
         self.exhausted = False  # this rank's stream has ended in the current pass
         self.last: Any = None  # the latest batch this rank read: what a filler repeats
-        self._resume: dict[str, Any] | None = None
+        self._resume: dict[str, Any] | None = None  # the position the next pass starts from
+        self._saved: dict[str, Any] | None = None  # a checkpoint's position, until resumed
+        self._unsaved_why: str | None = None  # why a checkpoint holds no usable position
         self._state: dict[str, Any] | None = None  # the loader's position after the window
         self._ends: dict[int, tuple[int, int]] = {}  # micro-batches done -> position
 
@@ -290,21 +292,31 @@ class StreamBatches:
         batches read ahead are not behind it), else ``None``."""
         return self._state
 
-    def resume(self, state: dict[str, Any] | None) -> bool:
-        """Continue the interrupted pass from ``state`` (this rank's :meth:`state_dict` of the
-        same world size) if it allows; else warn and return ``False``: it restarts."""
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Keep this rank's saved position for :meth:`resume_at`."""
+        self._saved, self._unsaved_why = state, None
+
+    def load_resized(self, states: list[Any]) -> None:
+        """Positions of another world size cannot continue: the epoch will restart."""
+        self._saved = None
+        self._unsaved_why = "the checkpoint was written by a different number of processes"
+
+    def resume_at(self, samples: int, batches: int) -> tuple[int, int]:
+        """Continue the interrupted pass from the saved position if it allows; else warn and
+        restart the epoch from its start."""
+        state, why = self._saved, self._unsaved_why
         if not self.stateful:
             why = "it has no state_dict()/load_state_dict() to save its position"
-        elif state is None:
-            why = "the checkpoint was written by a different number of processes"
-        elif state["workers"] != self.num_workers:
+        elif state is not None and state["workers"] != self.num_workers:
             why = f"num_workers was {state['workers']} and is {self.num_workers} now"
-        else:
+        elif state is None and why is None:
+            why = "the checkpoint holds no position of this rank's stream"
+        if why is None:
             self._resume = state
-            return True
+            return samples, batches
         logger.warning(
             "the streaming train_data cannot continue its interrupted epoch: %s; the epoch "
             "restarts from its start (what it trained on before is trained on again)",
             why,
         )
-        return False
+        return 0, 0

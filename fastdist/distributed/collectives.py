@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import functools
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -20,9 +21,11 @@ from fastdist.distributed.env import (
     get_rank,
     get_world_size,
 )
-from fastdist.logging import logger
 
 T = TypeVar("T")
+
+# The fastdist logger (fastdist.logging configures it; this layer sits below it).
+logger = logging.getLogger("fastdist")
 
 
 def _several_processes() -> bool:
@@ -113,6 +116,15 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
         return [obj]
     gathered: list[Any] = [None] * get_world_size()
     dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def gather_object(obj: Any, group: Any = None) -> list[Any] | None:
+    """Return the list of ``obj`` from every rank on rank 0 (``None`` on the others)."""
+    if not _several_processes():
+        return [obj]
+    gathered: list[Any] | None = [None] * get_world_size() if get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0, group=group)  # every group holds all ranks
     return gathered
 
 

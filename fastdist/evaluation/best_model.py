@@ -7,23 +7,19 @@ import time
 from typing import Any
 
 import torch
-from torch import nn
 
+from fastdist.checkpoint import atomic_save
 from fastdist.strategies import Strategy
-from fastdist.trainer.checkpoint import atomic_save
 
 
 class BestModel:
     """Rank 0 keeps the best weights, whole and unsharded (a plain ``state_dict`` that loads
     into the model without fastdist): in a file under ``save_path``, else (if they will be
     loaded at the end) in memory. The file name carries the run's start time, so a new run
-    never overwrites an earlier run's best model.
+    never overwrites an earlier run's best model. A checkpoint part: it saves the file's path.
     """
 
-    def __init__(
-        self, model: nn.Module, strategy: Strategy, save_path: str | None, keep_in_memory: bool
-    ) -> None:
-        self.model = model
+    def __init__(self, strategy: Strategy, save_path: str | None, keep_in_memory: bool) -> None:
         self.strategy = strategy
         self.save_path = save_path
         self.keep_in_memory = keep_in_memory
@@ -34,7 +30,7 @@ class BestModel:
         """Called on every rank when an evaluation is the best so far (FSDP gathers)."""
         if self.save_path is None and not self.keep_in_memory:
             return
-        weights = self.strategy.full_state_dict(self.model)
+        weights = self.strategy.full_state_dict()
         if weights is None:  # not rank 0
             return
         if self.save_path is None:
@@ -42,7 +38,7 @@ class BestModel:
             return
         if self.path is None:
             stamp = time.strftime("%Y-%m-%d-%H-%M-%S")
-            name = f"best_{type(self.model).__name__}_{metric_key}_{stamp}.pt"
+            name = f"best_{type(self.strategy.model).__name__}_{metric_key}_{stamp}.pt"
             self.path = os.path.join(self.save_path, name)
         atomic_save(weights, self.path)
 
@@ -53,4 +49,10 @@ class BestModel:
             weights = torch.load(self.path, map_location="cpu", weights_only=True)
         elif is_master:
             weights = self._weights
-        self.strategy.load_full_state_dict(self.model, weights)
+        self.strategy.load_full_state_dict(weights)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.path = state["path"]

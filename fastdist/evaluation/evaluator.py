@@ -9,13 +9,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
+from fastdist.data.feed import to_device
 from fastdist.distributed import all_reduce_sum, get_rank, get_world_size
 from fastdist.metrics import Metric
-from fastdist.trainer.batch import to_device
 
 
 class ShardSampler(Sampler[int]):
@@ -35,14 +34,14 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-def equal_forwards(loader: DataLoader, model: nn.Module) -> Iterator[tuple[Any, bool]]:
-    """``(batch, is_real)``: this rank's batches of a :class:`ShardSampler` loader; for a
-    sharded (FSDP) model then padding batches (the dataset's first sample, to be discarded)
-    until every rank ran as many forwards as the largest shard needs, since each FSDP forward
-    all-gathers parameters: a collective every rank must join."""
+def padded_batches(loader: DataLoader, equal_forwards: bool) -> Iterator[tuple[Any, bool]]:
+    """``(batch, is_real)``: this rank's batches of a :class:`ShardSampler` loader; with
+    ``equal_forwards`` (a sharded model: each forward all-gathers parameters, a collective
+    every rank must join) then padding batches (the dataset's first sample, to be discarded)
+    until every rank ran as many forwards as the largest shard needs."""
     for batch in loader:
         yield batch, True
-    if not isinstance(model, FSDPModule):
+    if not equal_forwards:
         return
     batch_size = loader.batch_size or 1
     n, world = len(loader.dataset), get_world_size()  # type: ignore[arg-type]
@@ -54,11 +53,18 @@ def equal_forwards(loader: DataLoader, model: nn.Module) -> Iterator[tuple[Any, 
 
 
 class Evaluator:
-    """Runs ``metrics`` over a dataset sharded across ranks; the result is the same everywhere."""
+    """Runs ``metrics`` over a dataset sharded across ranks; the result is the same everywhere.
+
+    Args:
+        model: what the forward runs through (a strategy's ``eval_module``).
+        equal_forwards: every rank must run equally many forwards (a sharded model).
+        forward: ``forward(module, batch)`` (:func:`~fastdist.data.feed.make_forward`).
+    """
 
     def __init__(
         self,
         model: nn.Module,
+        equal_forwards: bool,
         forward: Callable[[nn.Module, Any], Any],
         metrics: Sequence[Metric],
         device: torch.device,
@@ -68,6 +74,7 @@ class Evaluator:
         group: Any = None,
     ) -> None:
         self.model = model
+        self.equal_forwards = equal_forwards
         self.forward = forward
         self.metrics = list(metrics)
         self.device = device
@@ -94,7 +101,7 @@ class Evaluator:
         try:
             # A short bar of its own on rank 0, on a terminal only.
             show = get_rank() == 0 and sys.stderr.isatty()
-            batches = equal_forwards(loader, self.model)
+            batches = padded_batches(loader, self.equal_forwards)
             for batch, real in tqdm(batches, desc="evaluate", leave=False, disable=not show):
                 batch = to_device(batch, self.device)
                 output = self.forward(self.model, batch)

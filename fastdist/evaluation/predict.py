@@ -1,6 +1,6 @@
 """Distributed prediction: every rank runs its shard, rank 0 gets the outputs in dataset order.
 
-The data is sharded with :class:`~fastdist.trainer.evaluator.ShardSampler` (rank ``r`` of ``w``
+The data is sharded with :class:`~fastdist.evaluation.evaluator.ShardSampler` (rank ``r`` of ``w``
 takes indices ``r, r + w, ...``, no padding duplicates). Each rank runs the model with no
 collective inside its loop, so uneven shards never hang, and streams its per-sample outputs to
 a spill file in a directory every rank can see. After one collective rank 0 merges the files
@@ -10,31 +10,24 @@ no rank holds all outputs in memory unless a list is asked for.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import IO, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from fastdist.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
-from fastdist.distributed.storage import check_shared_dirs
-from fastdist.trainer.batch import make_forward, to_device
-from fastdist.trainer.evaluator import ShardSampler, equal_forwards
+from fastdist.data.feed import make_forward, to_device
+from fastdist.distributed import all_gather_object, get_rank, get_world_size
+from fastdist.evaluation.evaluator import ShardSampler, padded_batches
+from fastdist.evaluation.spill import Writer, cleanup, merge, open_work_dir, spill_path
+from fastdist.strategies import eval_view
 
 #: ``to_output(output, batch)``: the per-sample outputs of one batch, in batch order.
 ToOutput = Callable[[Any, Any], list[Any]]
-#: ``writer(index, output)``: called on rank 0 for every sample in dataset order.
-Writer = Callable[[int, Any], None]
-
-_PREFIX = "fastdist-predict-"
 
 
 def predict(
@@ -73,7 +66,7 @@ def predict(
 
     Args:
         model: the module (or its DDP wrapper); batches are fed as in training
-            (:func:`~fastdist.trainer.batch.make_forward`).
+            (:func:`~fastdist.data.feed.make_forward`).
         data: map-style dataset (a list will do).
         batch_size_per_gpu: batch size of each rank.
         output_path: rank 0 writes one JSON line per sample, in dataset order, to this file
@@ -100,15 +93,14 @@ def predict(
     """
     n = _check_args(data, batch_size_per_gpu, output_path, writer, to_output, num_workers)
     rank, world = get_rank(), get_world_size()
-    if isinstance(model, DistributedDataParallel):
-        model = model.module
+    model, equal_forwards = eval_view(model)  # a DDP wrapper is unwrapped
     if device is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
     device = torch.device(device)
     as_json = output_path is not None
-    work = _open_work_dir(shared_dir, output_path, rank, group)
-    spill = _spill_path(work, rank, as_json)
+    work = open_work_dir(shared_dir, output_path, rank, group)
+    spill = spill_path(work, rank, as_json)
     handed_over = False  # another rank's spill file stays until rank 0 has read it
     try:
         sampler = ShardSampler(n, rank, world)
@@ -117,6 +109,7 @@ def predict(
         try:
             _predict_shard(
                 model,
+                equal_forwards,
                 data,
                 sampler,
                 batch_size_per_gpu,
@@ -132,7 +125,7 @@ def predict(
         # The one collective after the loop: a barrier that also carries every rank's outcome.
         failed = _agree(error, group)
         if failed:
-            _cleanup(work, rank, (spill,))
+            cleanup(work, rank, (spill,))
             _barrier(group)  # nobody raises (and exits) before rank 0 has removed the dir
             if failure is not None:
                 raise failure
@@ -140,10 +133,10 @@ def predict(
         if rank != 0:
             handed_over = True
             return None
-        return _merge(work, n, world, as_json, output_path, writer)
+        return merge(work, n, world, as_json, output_path, writer)
     finally:
         if not handed_over:
-            _cleanup(work, rank, (spill,))
+            cleanup(work, rank, (spill,))
 
 
 def split_output(output: Any, n: int) -> list[Any]:
@@ -227,43 +220,9 @@ def _check_args(
     return len(data)
 
 
-def _open_work_dir(
-    shared_dir: str | os.PathLike | None,
-    output_path: str | os.PathLike | None,
-    rank: int,
-    group: Any,
-) -> str:
-    """Rank 0 creates the spill directory; every rank checks it is shared, or all raise."""
-    proposal: tuple[str, str | None] | None = None
-    if rank == 0:
-        work, error = "", None
-        try:
-            if output_path is not None:
-                parent = os.path.dirname(os.path.abspath(output_path))
-                if not os.path.isdir(parent):
-                    raise FileNotFoundError(f"output_path's directory {parent!r} does not exist")
-            work = tempfile.mkdtemp(prefix=_PREFIX, dir=shared_dir)  # mode 0o700
-        except OSError as exc:
-            error = f"rank 0 could not prepare the prediction: {exc}"
-        proposal = (work, error)
-    try:
-        work, error = broadcast_object(proposal, src=0, group=group)
-    except BaseException:
-        if proposal is not None and proposal[0]:
-            shutil.rmtree(proposal[0], ignore_errors=True)
-        raise
-    if error is not None:
-        raise RuntimeError(error)
-    try:
-        check_shared_dirs([("shared_dir", work)], group)  # on several nodes: really shared?
-    except BaseException:
-        _cleanup(work, rank, ())
-        raise
-    return work
-
-
 def _predict_shard(
     model: nn.Module,
+    equal_forwards: bool,
     data: Dataset | Sequence[Any],
     sampler: ShardSampler,
     batch_size: int,
@@ -290,7 +249,7 @@ def _predict_shard(
     position = 0
     try:
         with open(spill, "w" if as_json else "wb") as f, torch.no_grad():
-            for batch, real in equal_forwards(loader, model):
+            for batch, real in padded_batches(loader, equal_forwards):
                 batch = to_device(batch, device)
                 output = forward(model, batch)
                 if not real:
@@ -316,69 +275,6 @@ def _predict_shard(
         model.train(was_training)
 
 
-def _merge(
-    work: str,
-    n: int,
-    world: int,
-    as_json: bool,
-    output_path: str | os.PathLike | None,
-    writer: Writer | None,
-) -> list[Any] | None:
-    """On rank 0: read the spill files round-robin, one record at a time, in dataset order."""
-    with contextlib.ExitStack() as stack:
-        files = [
-            stack.enter_context(open(_spill_path(work, r, as_json), "r" if as_json else "rb"))
-            for r in range(min(world, n))
-        ]
-        if output_path is not None:
-            _write_lines(output_path, _json_lines(files, n))
-            return None
-        records = _records(files, n)
-        if writer is not None:
-            for index, item in records:
-                writer(index, item)
-            return None
-        return [item for _index, item in records]
-
-
-def _json_lines(files: list[IO[Any]], n: int) -> Iterator[str]:
-    world = len(files)
-    for index in range(n):
-        line = files[index % world].readline()
-        if not line.endswith("\n"):
-            raise RuntimeError(f"the spill file of rank {index % world} ended early")
-        yield line
-
-
-def _records(files: list[IO[Any]], n: int) -> Iterator[tuple[int, Any]]:
-    world = len(files)
-    for index in range(n):
-        try:
-            got, item = pickle.load(files[index % world])
-        except EOFError:
-            raise RuntimeError(f"the spill file of rank {index % world} ended early") from None
-        if got != index:
-            raise RuntimeError(f"spill file of rank {index % world}: sample {got}, not {index}")
-        yield index, item
-
-
-def _write_lines(path: str | os.PathLike, lines: Iterator[str]) -> None:
-    """Write ``lines`` to ``path`` through a temporary file renamed at the end."""
-    path = os.fspath(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.writelines(lines)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-
-
-def _spill_path(work: str, rank: int, as_json: bool) -> str:
-    return os.path.join(work, f"rank{rank}.{'jsonl' if as_json else 'pkl'}")
-
-
 def _agree(error: str | None, group: Any) -> dict[int, str]:
     """Share every rank's error (``None``: fine); return ``{rank: error}`` of those that failed."""
     errors = all_gather_object(error, group)
@@ -387,15 +283,6 @@ def _agree(error: str | None, group: Any) -> dict[int, str]:
 
 def _barrier(group: Any) -> None:
     all_gather_object(None, group)  # fastdist's barrier() takes no group
-
-
-def _cleanup(work: str, rank: int, own: tuple[str, ...]) -> None:
-    """Remove this rank's files (its own filesystem may differ); rank 0 removes ``work``."""
-    for path in own:
-        with contextlib.suppress(OSError):
-            os.remove(path)
-    if rank == 0:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _describe(failed: dict[int, str]) -> str:

@@ -1,70 +1,120 @@
-"""The small interface the training loop calls; the base class is one process, no parallelism."""
+"""The interface every strategy implements; the base class is the plain model, nothing shared.
+
+The training loop, evaluation and the checkpointer call only these methods and never ask
+which strategy runs. A strategy object holds its own options (checked when it is built),
+checks its fit to the model and the device before any collective (:meth:`check`), wraps the
+model (:meth:`setup`) and owns its checkpoint format (:meth:`checkpoint_parts`).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
+from fastdist.checkpoint import PER_RANK, REPLICATED
 from fastdist.distributed import broadcast_tensors, get_rank
 
 
 class Strategy:
-    """How the model is parallelised: the loop calls only these methods, never asks which.
+    """Runs the model as it is: one process, or ranks that share nothing but the gradients'
+    all-reduce done by a subclass. Every method of the base class is a no-op where it can be.
 
-    The base class runs the model as it is (one process, or a strategy that shares nothing);
-    every method is then a no-op, so the loop calls them unconditionally.
-
-    Args:
-        device: this rank's device.
-        group: the process group of the trainer's collectives (``None``: the default group).
+    Attributes (set by :meth:`setup`):
+        model: the user's module, on its device.
+        module: what the training forward runs through (a wrapper, or ``model``).
+        optimizer: the optimizer stepping ``model``'s parameters.
     """
 
-    name = "none"
+    #: Every rank must run equally many forwards (each forward is a collective).
+    equal_forwards = False
+    #: Ranks step on their own gradients between synchronisations (local SGD): every rank
+    #: does not see the same gradients, so they cannot all skip the same non-finite update.
+    local_steps = False
 
-    def __init__(self, device: torch.device, group: Any = None) -> None:
-        self.device = device
-        self.group = group
-        self.module: nn.Module  # what the training forward runs through; set by wrap()
+    def check(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        amp: str | None,
+    ) -> None:
+        """Raise if this strategy cannot run ``model`` on ``device`` (alike on every rank,
+        before any collective)."""
 
-    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Prepare ``model`` (already on the device) for training; return the optimizer to use.
-
-        Sets :attr:`module`. A strategy that replaces the parameters repoints the optimizer.
-        """
-        self.module = model
+    def setup(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        group: Any,
+        amp: str | None,
+    ) -> torch.optim.Optimizer:
+        """Wrap ``model`` (already on ``device``) for training over ``group``; return the
+        optimizer to use (a strategy that replaces the parameters repoints it)."""
+        self.model = self.module = model
+        self.optimizer, self.device, self.group = optimizer, device, group
         return optimizer
+
+    @property
+    def eval_module(self) -> nn.Module:
+        """What evaluation and prediction run through (no gradient synchronisation)."""
+        return self.model
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Context of a micro-batch whose gradients are not reduced (inside a window)."""
         return contextlib.nullcontext()
 
-    def after_step(self, model: nn.Module, step: int) -> None:
+    def after_step(self, step: int) -> None:
         """Called after optimizer update ``step`` (e.g. local SGD's parameter averaging)."""
 
-    def broadcast_buffers(self, model: nn.Module) -> None:
+    def broadcast_buffers(self) -> None:
         """Give every rank rank 0's buffers (batch-norm statistics) before evaluating."""
         with torch.no_grad():
-            broadcast_tensors(model.buffers(), group=self.group)
+            broadcast_tensors(self.model.buffers(), group=self.group)
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, Any] | None:
-        """The whole model's ``state_dict`` on rank 0 (``None`` elsewhere), to save or keep."""
+    def full_state_dict(self) -> dict[str, Any] | None:
+        """The whole model's ``state_dict`` on rank 0's CPU (``None`` elsewhere)."""
         if get_rank() != 0:
             return None
-        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
-    def load_full_state_dict(self, model: nn.Module, weights: dict[str, Any] | None) -> None:
+    def load_full_state_dict(self, weights: dict[str, Any] | None) -> None:
         """Load rank 0's ``weights`` (``None`` on the other ranks) into every rank's model."""
         if weights is not None:
-            model.load_state_dict(weights)
+            self.model.load_state_dict(weights)
         with torch.no_grad():
-            broadcast_tensors(model.state_dict().values(), group=self.group)
+            broadcast_tensors(self.model.state_dict().values(), group=self.group)
+
+    def checkpoint_parts(self) -> list[tuple[str, Any, str]]:
+        """``(name, part, scope)`` of the model, the optimizer and this strategy's own state,
+        for the checkpointer (:mod:`fastdist.checkpoint.checkpointer`)."""
+        return [
+            ("model", self.model, REPLICATED),
+            ("optimizer", self.optimizer, REPLICATED),
+            ("strategy", self, PER_RANK),
+        ]
 
     def state_dict(self) -> dict[str, Any]:
-        """The strategy's own resumable state (e.g. a communication hook's), plain data."""
+        """This rank's own resumable state (e.g. a communication hook's), plain data."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore this rank's :meth:`state_dict`."""
+
+    def load_resized(self, states: list[dict[str, Any]]) -> None:
+        """Restore from a checkpoint of another world size: per-rank state restarts."""
+
+    def __repr__(self) -> str:
+        """The class and the options that differ from their defaults (options are kept as
+        attributes named like the constructor's arguments)."""
+        params = inspect.signature(type(self).__init__).parameters.values()
+        given = [
+            f"{p.name}={getattr(self, p.name)!r}"
+            for p in params
+            if p.name != "self" and getattr(self, p.name) != p.default
+        ]
+        return f"{type(self).__name__}({', '.join(given)})"

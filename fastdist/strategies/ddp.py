@@ -1,4 +1,4 @@
-"""The DDP strategy: torch's DistributedDataParallel, communication hooks, post-local SGD."""
+"""DDP: torch's DistributedDataParallel, its communication hooks, post-local SGD."""
 
 from __future__ import annotations
 
@@ -8,58 +8,105 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import (
-    default_hooks,
-    post_localSGD_hook,
-    powerSGD_hook,
-)
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 from torch.nn.parallel import DistributedDataParallel
 
+from fastdist.checkpoint import PER_RANK
+from fastdist.checks import check_bool, check_choice, check_int, check_number
+from fastdist.distributed import get_world_size, is_distributed
+from fastdist.logging import logger
 from fastdist.strategies.base import Strategy
-from fastdist.trainer.checkpoint import decode_numpy_state, encode_numpy_state
+from fastdist.strategies.powersgd import PowerSGD
+
+COMM_HOOKS = (None, "fp16", "bf16", "powersgd")
 
 
-class DDPStrategy(Strategy):
-    """Every rank holds the whole model; DDP all-reduces the gradients of each update.
+class DDP(Strategy):
+    """Data parallelism: every rank holds the whole model; each update all-reduces gradients.
+
+    On one process the model runs as it is. ``strategy="ddp"`` (the default) is ``DDP()``.
 
     Args:
-        device: this rank's device.
-        group: the process group of the gradient all-reduce.
-        comm_hook: ``None`` (plain all-reduce), ``"fp16"``/``"bf16"`` (gradients compressed to
-            half precision for the all-reduce) or ``"powersgd"`` (low-rank compression, rank 1,
-            after 10 plain updates; its error-feedback state is checkpointed).
-        average_every: post-local SGD: after ``average_every`` warm-up updates with plain
+        find_unused_parameters, static_graph, gradient_as_bucket_view: passed to torch's
+            ``DistributedDataParallel``.
+        bucket_cap_mb: DDP's gradient bucket size in MiB; default torch's (25).
+        comm_hook: ``None`` (plain all-reduce), ``"fp16"``/``"bf16"`` (gradients compressed
+            to half precision for the all-reduce; bf16 needs CUDA and nccl) or ``"powersgd"``
+            (rank-1 low-rank compression with error feedback, after 10 plain updates).
+        average_every: post-local SGD: after that many warm-up updates with the plain
             all-reduce, each rank steps on its own gradients and the parameters are averaged
             (torch's ``average_parameters``) after every update whose number is a multiple of
-            ``average_every``. ``0``: off.
-        ddp_options: passed to ``DistributedDataParallel`` (``find_unused_parameters``,
-            ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``).
-    """
+            ``average_every``; 0: off.
 
-    name = "ddp"
+    Each rank's PowerSGD error feedback, and under local SGD each rank's own parameters and
+    optimizer state, are checkpointed per rank: a resumed run continues exactly. On another
+    world size they restart (from rank 0's parameters), with a warning.
+
+    Example:
+        >>> DistTrainer(..., strategy=DDP(bucket_cap_mb=50, comm_hook="powersgd"))
+    """
 
     def __init__(
         self,
-        device: torch.device,
-        group: Any = None,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        bucket_cap_mb: float | None = None,
         comm_hook: str | None = None,
         average_every: int = 0,
-        **ddp_options: Any,
     ) -> None:
-        super().__init__(device, group)
+        check_bool("find_unused_parameters", find_unused_parameters)
+        check_bool("static_graph", static_graph)
+        check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
+        if bucket_cap_mb is not None:
+            check_number("bucket_cap_mb", bucket_cap_mb, 0, inclusive=False)
+        check_choice("comm_hook", comm_hook, COMM_HOOKS)
+        check_int("average_every", average_every, minimum=0)
+        if comm_hook and average_every:
+            raise ValueError("comm_hook and average_every both set DDP's hook: choose one")
+        self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.bucket_cap_mb = bucket_cap_mb
         self.comm_hook = comm_hook
         self.average_every = average_every
-        self.ddp_options = ddp_options
-        self.hook_state: Any = None
+        self.local_steps = average_every > 0
+        self.powersgd: PowerSGD | None = None
+        self.local_sgd: post_localSGD_hook.PostLocalSGDState | None = None
 
-    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        device, group = self.device, self.group
+    def check(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        amp: str | None,
+    ) -> None:
+        if self.comm_hook == "bf16" and device.type != "cuda":
+            raise ValueError("comm_hook='bf16' needs CUDA and NCCL; use comm_hook='fp16' with gloo")
+
+    def setup(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        group: Any,
+        amp: str | None,
+    ) -> torch.optim.Optimizer:
+        super().setup(model, optimizer, device, group, amp)
+        if not is_distributed():
+            return optimizer  # one process: nothing to all-reduce
+        options: dict[str, Any] = (
+            {"bucket_cap_mb": self.bucket_cap_mb} if self.bucket_cap_mb else {}
+        )
         self.module = ddp = DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             process_group=group,
-            **self.ddp_options,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            **options,
         )
         if self.comm_hook in ("fp16", "bf16"):
             hook = default_hooks.fp16_compress_hook
@@ -67,53 +114,97 @@ class DDPStrategy(Strategy):
                 hook = default_hooks.bf16_compress_hook
             ddp.register_comm_hook(group, hook)
         elif self.comm_hook == "powersgd":
-            self.hook_state = powerSGD_hook.PowerSGDState(
-                process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=10
-            )
-            ddp.register_comm_hook(self.hook_state, powerSGD_hook.powerSGD_hook)
-        if self.average_every:
+            self.powersgd = PowerSGD(model, group)
+            ddp.register_comm_hook(self.powersgd.state, self.powersgd.hook)
+        elif self.average_every:
             # Each rank its own subgroup: after the warm-up no gradient is all-reduced at all.
             subgroup, _ = dist.new_subgroups(group_size=1)
-            self.hook_state = post_localSGD_hook.PostLocalSGDState(
+            self.local_sgd = post_localSGD_hook.PostLocalSGDState(
                 process_group=group, subgroup=subgroup, start_localSGD_iter=self.average_every
             )
-            ddp.register_comm_hook(self.hook_state, post_localSGD_hook.post_localSGD_hook)
+            ddp.register_comm_hook(self.local_sgd, post_localSGD_hook.post_localSGD_hook)
         return optimizer
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        assert isinstance(self.module, DistributedDataParallel)
-        return self.module.no_sync()
+        if isinstance(self.module, DistributedDataParallel):
+            return self.module.no_sync()
+        return contextlib.nullcontext()
 
-    def after_step(self, model: nn.Module, step: int) -> None:
+    def after_step(self, step: int) -> None:
         """After update ``step``: average the parameters if the local-SGD period ends here."""
         every = self.average_every
-        if every and step > every and step % every == 0:
+        if self.local_sgd is not None and step > every and step % every == 0:
             group = self.group or dist.group.WORLD  # WORLD exists: DDP runs in a group
-            average_parameters(model.parameters(), group)  # type: ignore[arg-type]
+            average_parameters(self.model.parameters(), group)  # type: ignore[arg-type]
+
+    def checkpoint_parts(self) -> list[tuple[str, Any, str]]:
+        parts = super().checkpoint_parts()
+        if not self.average_every:
+            return parts
+        # Between averagings every rank has its own parameters and momentum.
+        return [
+            ("model", PerRank(self.model), PER_RANK),
+            ("optimizer", PerRank(self.optimizer), PER_RANK),
+            parts[2],
+        ]
 
     def state_dict(self) -> dict[str, Any]:
-        """Hook progress (PowerSGD's error feedback), as tensors and plain data."""
-        state: dict[str, Any] = {}
-        if isinstance(self.hook_state, powerSGD_hook.PowerSGDState):
-            s = self.hook_state
-            state["powersgd"] = {
-                "iter": s.iter,
-                "error_dict": dict(s.error_dict),
-                "p_memory_dict": dict(s.p_memory_dict),
-                "q_memory_dict": dict(s.q_memory_dict),
-                "rng": encode_numpy_state(s.rng.get_state(legacy=True)),
-            }
-        if isinstance(self.hook_state, post_localSGD_hook.PostLocalSGDState):
-            state["local_sgd_iter"] = self.hook_state.iter
-        return state
+        """This rank's hook state: PowerSGD's per-parameter state, local SGD's iteration."""
+        if self.powersgd is not None:
+            return {"powersgd": self.powersgd.state_dict()}
+        if self.local_sgd is not None:
+            return {"local_sgd_iter": self.local_sgd.iter}
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "powersgd" in state and isinstance(self.hook_state, powerSGD_hook.PowerSGDState):
-            saved, s = state["powersgd"], self.hook_state
-            s.iter = saved["iter"]
-            s.error_dict.update(saved["error_dict"])
-            s.p_memory_dict.update(saved["p_memory_dict"])
-            s.q_memory_dict.update(saved["q_memory_dict"])
-            s.rng.set_state(decode_numpy_state(saved["rng"]))
-        if "local_sgd_iter" in state:
-            self.hook_state.iter = state["local_sgd_iter"]
+        if self.powersgd is not None and "powersgd" in state:
+            self.powersgd.load_state_dict(state["powersgd"])
+        if self.local_sgd is not None and "local_sgd_iter" in state:
+            self.local_sgd.iter = state["local_sgd_iter"]
+
+    def load_resized(self, states: list[dict[str, Any]]) -> None:
+        """Another world size: local SGD keeps its iteration (whether the warm-up is over);
+        what is each rank's own restarts, with a warning."""
+        saved = states[0]
+        if self.local_sgd is not None and "local_sgd_iter" in saved:
+            self.local_sgd.iter = saved["local_sgd_iter"]
+        own = {
+            "powersgd": "PowerSGD's error feedback restarts",
+            "local_sgd_iter": "local SGD's per-rank parameters and momentum restart from rank 0's",
+        }
+        lost = [what for key, what in own.items() if key in saved]
+        if lost:
+            logger.warning(
+                "the checkpoint was written by %d processes, not %d: %s",
+                len(states),
+                get_world_size(),
+                "; ".join(lost),
+            )
+
+
+class PerRank:
+    """A model or optimizer whose state differs between ranks, as a per-rank part."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def state_dict(self) -> Any:
+        return _to_cpu(self.obj.state_dict())
+
+    def load_state_dict(self, state: Any) -> None:
+        self.obj.load_state_dict(state)
+
+    def load_resized(self, states: list[Any]) -> None:
+        """Another world size: every rank starts from rank 0's state (the strategy warns)."""
+        self.obj.load_state_dict(states[0])
+
+
+def _to_cpu(state: Any) -> Any:
+    """``state`` with every tensor copied to the CPU (it is gathered to rank 0)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {k: _to_cpu(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_to_cpu(v) for v in state)
+    return state

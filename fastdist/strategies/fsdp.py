@@ -1,4 +1,4 @@
-"""The FSDP strategy: torch's ``fully_shard`` (FSDP2) per block, then on the root.
+"""FSDP: torch's ``fully_shard`` (FSDP2) per block, then on the root.
 
 Each rank keeps only its shard of every parameter, gradient and optimizer state; a block's
 parameters are all-gathered for its forward and backward, and gradients reduce-scattered.
@@ -13,11 +13,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -27,11 +22,14 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from fastdist.checkpoint import PER_RANK, SHARDED
+from fastdist.checks import check_bool
+from fastdist.distributed import get_rank, get_world_size, is_distributed
 from fastdist.logging import logger
 from fastdist.strategies.base import Strategy
+from fastdist.strategies.sharded_io import ShardedModel, ShardedOptimizer, gather_full, scatter_full
 
 _PARAM_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def find_blocks(model: nn.Module, wrap: Sequence[type[nn.Module]] | None) -> list[str]:
@@ -53,83 +51,112 @@ def find_blocks(model: nn.Module, wrap: Sequence[type[nn.Module]] | None) -> lis
     ]
 
 
-def check_fsdp_wrap(model: nn.Module, wrap: Sequence[type[nn.Module]] | None) -> None:
-    """Refuse ``fsdp_wrap`` classes the model does not contain (on every rank, no collective)."""
-    if not wrap:
-        return
-    present = {type(m) for m in model.modules()}
-    absent = [cls.__name__ for cls in wrap if cls not in present]
-    if absent:
-        raise ValueError(
-            f"fsdp_wrap names {absent}, which the model does not contain: pass the classes of "
-            "its repeated blocks (e.g. its transformer layer class), or None to shard the "
-            "children of its nn.ModuleLists"
-        )
-
-
 def switch_parameters(
     optimizer: torch.optim.Optimizer, old_names: dict[int, str], model: nn.Module
 ) -> None:
     """Point ``optimizer`` (its class, groups and hyperparameters kept; a learning-rate
     scheduler built on it stays valid) at the model's new parameters: ``fully_shard``
     replaces every ``Parameter``, and the optimizer would step the stale ones."""
-    if optimizer.state:
-        raise ValueError(
-            "strategy='fsdp' needs an optimizer that has not stepped yet (its state is keyed "
-            "by the parameters fully_shard replaces): build it just before DistTrainer"
-        )
     new = dict(model.named_parameters())
     for group in optimizer.param_groups:
         group["params"] = [new[old_names[id(p)]] for p in group["params"]]
 
 
-class FSDPStrategy(Strategy):
+class FSDP(Strategy):
     """Fully sharded data parallelism with torch's ``fully_shard`` (FSDP2).
 
+    ``strategy="fsdp"`` is ``FSDP()``. The optimizer is pointed at the sharded parameters
+    (same class, groups and hyperparameters). Checkpoints are sharded (DCP: every rank writes
+    its shards, and any world size resumes them), also on one process, where the model runs
+    as it is.
+
     Args:
-        device: this rank's device.
-        group: the process group to shard over (``None``: the default group).
         wrap: module classes sharded one by one (the repeated blocks); ``None``: the children
             of the model's ``nn.ModuleList``s. The root is sharded last, holding the rest.
         reshard_after_forward: free each block's gathered parameters after its forward (and
             gather again in backward): less memory, more communication.
-        amp: ``"bf16"``/``"fp16"``: parameters cast to that dtype for compute, gradients
-            reduced in fp32 (``MixedPrecisionPolicy``); ``None``: fp32.
-        cpu_offload: keep the parameter shards, gradients and optimizer state in host
-            memory (``CPUOffloadPolicy``); the optimizer steps on the CPU.
+        cpu_offload: keep the parameter shards, gradients and optimizer state in host memory
+            (``CPUOffloadPolicy``); the optimizer steps on the CPU. CUDA only.
+
+    The trainer's ``amp`` sets the ``MixedPrecisionPolicy``: parameters cast to bf16/fp16 for
+    compute, gradients reduced in fp32.
+
+    Example:
+        >>> DistTrainer(..., strategy=FSDP(wrap=[TransformerBlock]))
     """
 
-    name = "fsdp"
+    equal_forwards = True
 
     def __init__(
         self,
-        device: torch.device,
-        group: Any = None,
         wrap: Sequence[type[nn.Module]] | None = None,
         reshard_after_forward: bool = True,
-        amp: str | None = None,
         cpu_offload: bool = False,
     ) -> None:
-        super().__init__(device, group)
-        self.wrap_classes = wrap
+        if wrap is not None and not (
+            isinstance(wrap, (list, tuple)) and all(isinstance(c, type) for c in wrap)
+        ):
+            raise TypeError(
+                f"wrap must be a list of nn.Module classes (the model's blocks) or None, got "
+                f"{wrap!r}"
+            )
+        check_bool("reshard_after_forward", reshard_after_forward)
+        check_bool("cpu_offload", cpu_offload)
+        self.wrap = wrap
         self.reshard_after_forward = reshard_after_forward
-        self.mp_policy = MixedPrecisionPolicy(
-            param_dtype=_PARAM_DTYPES[amp], reduce_dtype=torch.float32 if amp else None
-        )
-        self.offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+        self.cpu_offload = cpu_offload
 
-    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def check(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        amp: str | None,
+    ) -> None:
+        if optimizer.state and get_world_size() > 1:
+            raise ValueError(
+                "FSDP needs an optimizer that has not stepped yet (its state is keyed by the "
+                "parameters fully_shard replaces): build it just before DistTrainer"
+            )
+        present = {type(m) for m in model.modules()}
+        absent = [cls.__name__ for cls in self.wrap or () if cls not in present]
+        if absent:
+            raise ValueError(
+                f"FSDP(wrap=...) names {absent}, which the model does not contain: pass the "
+                "classes of its repeated blocks (e.g. its transformer layer class), or None to "
+                "shard the children of its nn.ModuleLists"
+            )
+        if self.cpu_offload and device.type != "cuda":
+            raise ValueError(
+                "FSDP(cpu_offload=True) moves sharded state from the GPU to host memory; on a "
+                "CPU device it already lives there: drop cpu_offload"
+            )
+
+    def setup(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        group: Any,
+        amp: str | None,
+    ) -> torch.optim.Optimizer:
+        super().setup(model, optimizer, device, group, amp)
+        if not is_distributed():
+            logger.info("strategy FSDP on one process: the plain model, nothing to shard")
+            return optimizer
         old_names = {id(p): name for name, p in model.named_parameters()}
-        group = self.group or dist.group.WORLD
-        assert group is not None  # FSDP runs on several processes only
-        mesh = DeviceMesh.from_group(group, self.device.type)
+        group = group or dist.group.WORLD
+        assert group is not None  # several processes: the default group exists
+        mesh = DeviceMesh.from_group(group, device.type)
         options: dict[str, Any] = {
             "mesh": mesh,
             "reshard_after_forward": self.reshard_after_forward,
-            "mp_policy": self.mp_policy,
-            "offload_policy": self.offload_policy,
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=_PARAM_DTYPES[amp], reduce_dtype=torch.float32 if amp else None
+            ),
+            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
         }
-        blocks = find_blocks(model, self.wrap_classes)
+        blocks = find_blocks(model, self.wrap)
         for name in blocks:
             fully_shard(model.get_submodule(name), **options)
         fully_shard(model, **options)
@@ -139,26 +166,38 @@ class FSDPStrategy(Strategy):
             f" ({blocks[0]} ... {blocks[-1]})" if blocks else "",
             type(model).__name__,
         )
-        self.module = model
         switch_parameters(optimizer, old_names, model)
         return optimizer
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradients accumulate unreduced; the window's last micro-batch reduce-scatters them."""
-        assert isinstance(self.module, FSDPModule)
-        self.module.set_requires_gradient_sync(False)
+        if not isinstance(self.model, FSDPModule):
+            yield
+            return
+        self.model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            self.module.set_requires_gradient_sync(True)
+            self.model.set_requires_gradient_sync(True)
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, Any] | None:
+    def full_state_dict(self) -> dict[str, Any] | None:
         """The whole model's ``state_dict`` on the CPU of rank 0 (a collective)."""
-        weights = get_model_state_dict(model, options=_FULL)
-        return weights if dist.get_rank(self.group) == 0 else None
+        if not isinstance(self.model, FSDPModule):  # one process: the plain model
+            return super().full_state_dict()
+        return gather_full(self.model, get_rank())
 
-    def load_full_state_dict(self, model: nn.Module, weights: dict[str, Any] | None) -> None:
+    def load_full_state_dict(self, weights: dict[str, Any] | None) -> None:
         """Load rank 0's full ``weights`` into every rank's shards (a collective)."""
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(model, weights or {}, options=options)
+        if not isinstance(self.model, FSDPModule):
+            super().load_full_state_dict(weights)
+            return
+        scatter_full(self.model, weights)
+
+    def checkpoint_parts(self) -> list[tuple[str, Any, str]]:
+        """Model and optimizer as DCP shards (any world size resumes them)."""
+        return [
+            ("model", ShardedModel(self.model), SHARDED),
+            ("optimizer", ShardedOptimizer(self.model, self.optimizer), SHARDED),
+            ("strategy", self, PER_RANK),
+        ]

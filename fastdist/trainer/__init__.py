@@ -1,8 +1,6 @@
-"""The trainer: set-up, loop, evaluation, state."""
+"""The trainer: the ``DistTrainer`` facade, its options, assembly and loop."""
 
-from fastdist.trainer.config import TrainerConfig
 from fastdist.trainer.dist_trainer import DistTrainer
-from fastdist.trainer.evaluator import Evaluator
-from fastdist.trainer.state import TrainerState
+from fastdist.trainer.options import TrainerOptions
 
-__all__ = ["DistTrainer", "Evaluator", "TrainerConfig", "TrainerState"]
+__all__ = ["DistTrainer", "TrainerOptions"]

@@ -2,21 +2,129 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import difflib
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from fastdist.callbacks.callback import Callback
 from fastdist.distributed.env import (
     get_local_rank,
     get_local_world_size,
+    get_world_size,
     gpu_shortage,
     visible_gpu_count,
 )
+from fastdist.evaluation.validator import as_metric_list, resolve_metric_key
+from fastdist.losses import as_loss_fn
 from fastdist.metrics import Metric
-from fastdist.metrics_torchmetrics import as_fastdist_metric, is_torchmetrics_metric
+from fastdist.trainer.options import TrainerOptions
+
+#: DistTrainer keywords that became options of a strategy object: name -> (class, option).
+MOVED = {
+    "find_unused_parameters": ("DDP", "find_unused_parameters"),
+    "static_graph": ("DDP", "static_graph"),
+    "gradient_as_bucket_view": ("DDP", "gradient_as_bucket_view"),
+    "bucket_cap_mb": ("DDP", "bucket_cap_mb"),
+    "ddp_comm_hook": ("DDP", "comm_hook"),
+    "average_every": ("DDP", "average_every"),
+    "fsdp_wrap": ("FSDP", "wrap"),
+    "reshard_after_forward": ("FSDP", "reshard_after_forward"),
+    "cpu_offload": ("FSDP", "cpu_offload"),
+}
+
+
+@dataclass(frozen=True)
+class Arguments:
+    """DistTrainer's arguments, checked: the options and the parts to assemble."""
+
+    options: TrainerOptions
+    train_data: Dataset
+    dev_data: Dataset | None
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable[[Any, Any], Any]
+    metrics: list[Metric]
+    metric_key: str
+    larger_better: bool
+    callbacks_all: list[Callback]
+    callbacks_master: list[Callback]
+    sampler: Sampler | None
+    batch_sampler: Sampler | None
+    collate_fn: Callable | None
+    device: torch.device
+
+    @property
+    def stream(self) -> bool:
+        """Whether ``train_data`` is a stream (an ``IterableDataset``)."""
+        return isinstance(self.train_data, IterableDataset)
+
+
+def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
+    """Check every argument of ``DistTrainer`` (``given`` by name, ``extra``: keywords it
+    does not take); raise alike on every rank, before any collective."""
+    reject_extra(extra, given)
+    options = TrainerOptions.of(given)
+    model, train_data, dev_data = given["model"], given["train_data"], given["dev_data"]
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    stream = isinstance(train_data, IterableDataset)
+    if dev_data is not None:
+        check_dataset("dev_data", dev_data)
+    sampler, batch_sampler = given["sampler"], given["batch_sampler"]
+    check_samplers(sampler, batch_sampler, stream)
+    if not stream:
+        n_train = check_dataset("train_data", train_data)
+        if sampler is None and batch_sampler is None:
+            n_rank = n_train // get_world_size()
+            check_enough_samples(n_rank, options.batch_size_per_gpu, options.drop_last)
+    metrics = as_metric_list(given["metrics"])
+    if dev_data is not None and not metrics:
+        raise ValueError("dev_data needs metrics=: pass e.g. metrics=AccuracyMetric()")
+    metric_key, larger_better = resolve_metric_key(options.metric_key, metrics)
+    optimizer = given["optimizer"]
+    if optimizer is None:
+        optimizer = torch.optim.Adam(model.parameters(), lr=4e-3)
+    check_optimizer(optimizer, model)
+    device = resolve_device(options.device)
+    options.strategy.check(model, optimizer, device, options.amp)
+    return Arguments(
+        options=options,
+        train_data=train_data,
+        dev_data=dev_data,
+        model=model,
+        optimizer=optimizer,
+        loss_fn=as_loss_fn(given["loss"]),
+        metrics=metrics,
+        metric_key=metric_key,
+        larger_better=larger_better,
+        callbacks_all=check_callbacks("callbacks_all", given["callbacks_all"]),
+        callbacks_master=check_callbacks("callbacks_master", given["callbacks_master"]),
+        sampler=sampler,
+        batch_sampler=batch_sampler,
+        collate_fn=given["collate_fn"],
+        device=device,
+    )
+
+
+def reject_extra(extra: Mapping[str, Any], known: Collection[str]) -> None:
+    """Raise ``TypeError`` for a keyword ``DistTrainer`` does not take, naming where an option
+    moved (``bucket_cap_mb`` -> ``DDP(bucket_cap_mb=...)``) or the name meant."""
+    for name, value in extra.items():
+        if name in MOVED:
+            cls, option = MOVED[name]
+            which = f"an option of fastdist.strategies.{cls}"
+            if option != name:
+                which = f"now the {option} option of fastdist.strategies.{cls}"
+            raise TypeError(f"{name} is {which}: strategy={cls}({option}={value!r})")
+    for name in extra:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise TypeError(f"DistTrainer got an unexpected keyword argument {name!r}{hint}")
 
 
 def check_dataset(name: str, data: Any) -> int:
@@ -26,46 +134,6 @@ def check_dataset(name: str, data: Any) -> int:
     if len(data) == 0:
         raise ValueError(f"{name} is empty: it must hold at least one sample")
     return len(data)
-
-
-def as_metric_list(metrics: Any) -> list[Metric]:
-    """The ``metrics`` argument as a list of fastdist metrics.
-
-    Accepts a metric, a sequence of them, or a dict ``{key: metric}``. ``torchmetrics.Metric``
-    objects are wrapped in :class:`~fastdist.metrics_torchmetrics.TorchMetricsAdapter`,
-    reporting their dict key, or else their class name in lower case.
-    """
-    if metrics is None:
-        return []
-    if isinstance(metrics, Mapping):
-        items = [as_fastdist_metric(metric, key) for key, metric in metrics.items()]
-    elif isinstance(metrics, Metric) or is_torchmetrics_metric(metrics):
-        items = [as_fastdist_metric(metrics)]
-    elif isinstance(metrics, Iterable):
-        items = [as_fastdist_metric(metric) for metric in metrics]
-    else:
-        raise TypeError(f"metrics must be a Metric, a list or a dict, got {type(metrics).__name__}")
-    seen: dict[str, str] = {}
-    for metric in items:
-        for key in metric.keys:
-            if key in seen:
-                name = type(metric).__name__
-                raise ValueError(f"metrics {seen[key]} and {name} both report {key!r}")
-            seen[key] = type(metric).__name__
-    return items
-
-
-def resolve_metric_key(metric_key: str | None, metrics: list[Metric]) -> tuple[str, bool]:
-    """Return ``(key, larger_is_better)``; a leading ``-`` means lower is better."""
-    keys = [key for metric in metrics for key in metric.keys]
-    if metric_key is None:
-        return (keys[0] if keys else ""), True
-    key = metric_key[1:] if metric_key.startswith("-") else metric_key
-    if key not in keys:
-        raise ValueError(
-            f"metric_key={metric_key!r} is not produced by the metrics, which report {keys}"
-        )
-    return key, not metric_key.startswith("-")
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

@@ -45,8 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastdist.data.feed import to_device
 from fastdist.logging import logger
-from fastdist.trainer.batch import to_device
 
 #: Figures per rank in the log-step all-reduce: data, compute, collective (seconds/update).
 FIELDS = 3

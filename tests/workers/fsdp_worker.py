@@ -84,7 +84,7 @@ def run(strategy: str, out: Path) -> dict[str, Any]:
         strategy=strategy,
     )
     trainer.train()
-    full = trainer.strategy.full_state_dict(trainer.model)  # rank 0: the whole model
+    full = trainer.strategy.full_state_dict()  # rank 0: the whole model
     dev = ToyData(N_DEV, seed=1)
     result: dict[str, Any] = {
         "params_local_total": local_numel(trainer.model.parameters()),

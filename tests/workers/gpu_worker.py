@@ -26,7 +26,7 @@ from workers.trainer_worker import ToyData, ToyNet, flat_params, write_json
 from fastdist import AccuracyMetric, CrossEntropyLoss, DistTrainer
 from fastdist.distributed import backend_for, get_rank, get_world_size, init_distributed
 from fastdist.distributed.env import default_backend
-from fastdist.trainer.validation import resolve_device
+from fastdist.trainer.arguments import resolve_device
 
 TIMEOUT = 120  # seconds any collective may wait: a broken GPU setup fails, never hangs
 RESUME_FROM = 4  # the resumed run starts from this update's checkpoint (inside epoch 1)

@@ -16,15 +16,17 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import fastdist
-from fastdist import AccuracyMetric, DistTrainer
+from fastdist import DDP, AccuracyMetric, DistTrainer
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {},
     "bf16": {"amp": "bf16"},
-    "hook_fp16": {"ddp_comm_hook": "fp16"},
-    "hook_powersgd": {"ddp_comm_hook": "powersgd"},
-    "average_every_4": {"average_every": 4},
-    "ddp_knobs": {"static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 1},
+    "hook_fp16": {"strategy": DDP(comm_hook="fp16")},
+    "hook_powersgd": {"strategy": DDP(comm_hook="powersgd")},
+    "average_every_4": {"strategy": DDP(average_every=4)},
+    "ddp_knobs": {
+        "strategy": DDP(static_graph=True, gradient_as_bucket_view=True, bucket_cap_mb=1)
+    },
 }
 
 

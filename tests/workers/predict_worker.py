@@ -24,12 +24,11 @@ from torch.utils.data import Dataset
 from trainer_worker import ToyData, ToyNet, make_trainer, write_json
 
 from fastdist import AccuracyMetric, CrossEntropyLoss
+from fastdist.data.feed import make_forward
 from fastdist.distributed import barrier, get_rank, get_world_size
+from fastdist.evaluation import Evaluator, predict
 from fastdist.metrics import ClassifyFPreRecMetric, LossMetric
 from fastdist.metrics_torchmetrics import TorchMetricsAdapter
-from fastdist.trainer.batch import make_forward
-from fastdist.trainer.evaluator import Evaluator
-from fastdist.trainer.predict import predict
 
 N = 103  # 52 + 51 samples on 2 ranks: uneven shards
 
@@ -198,9 +197,9 @@ def _metrics() -> list[Any]:
 def case_metrics(out: Path, shared: Path) -> dict[str, Any]:
     """101 dev samples (51 + 50): fastdist and torchmetrics metrics, twice (state resets)."""
     model = ToyNet(seed=2)
-    evaluator = Evaluator(model, make_forward(model), _metrics(), torch.device("cpu"), 8)
+    evaluator = Evaluator(model, False, make_forward(model), _metrics(), torch.device("cpu"), 8)
     first, second = evaluator.evaluate(ToyData(101, seed=4)), evaluator.evaluate(ToyData(101, 4))
-    only_tm = Evaluator(model, make_forward(model), _metrics()[1:3], torch.device("cpu"), 8)
+    only_tm = Evaluator(model, False, make_forward(model), _metrics()[1:3], torch.device("cpu"), 8)
     trainer = make_trainer(16, ToyNet(seed=2), dev_data=ToyData(101, seed=4), metrics=_metrics())
     # Every rank's predictions, for the test's own (scikit-learn) computation.
     preds = predict(model, ToyData(101, seed=4), 8, shared_dir=shared)

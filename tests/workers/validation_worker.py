@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from trainer_worker import ToyData, ToyNet, make_trainer, write_json
 
-from fastdist import AccuracyMetric
+from fastdist import DDP, FSDP, AccuracyMetric
 from fastdist.distributed import get_world_size
 
 
@@ -46,21 +46,21 @@ BAD_INPUT: dict[str, dict[str, Any] | Callable[[], dict[str, Any]]] = {
     "unknown_keyword": {"batch_size": 8},
     "too_few_samples_for_drop_last": {"n_train": 8, "drop_last": True},
     "unknown_strategy": {"strategy": "deepspeed"},
-    "fsdp_with_comm_hook": {"strategy": "fsdp", "ddp_comm_hook": "fp16"},
-    "fsdp_with_average_every": {"strategy": "fsdp", "average_every": 4},
-    "fsdp_wrap_absent": {"strategy": "fsdp", "fsdp_wrap": [torch.nn.Conv2d]},
-    "fsdp_wrap_without_fsdp": {"fsdp_wrap": [torch.nn.Linear]},
-    "cpu_offload_on_cpu": {"strategy": "fsdp", "cpu_offload": True},
+    "flat_ddp_keyword": {"bucket_cap_mb": 50},
+    "flat_comm_hook": {"ddp_comm_hook": "fp16"},
+    "flat_fsdp_wrap": {"fsdp_wrap": [torch.nn.Linear]},
+    "comm_hook_with_average_every": lambda: {"strategy": DDP(comm_hook="fp16", average_every=4)},
+    "fsdp_wrap_absent": lambda: {"strategy": FSDP(wrap=[torch.nn.Conv2d])},
+    "cpu_offload_on_cpu": lambda: {"strategy": FSDP(cpu_offload=True)},
 }
 
 
 def case_bad_input(out: Path) -> None:
     results: dict[str, Any] = {}
     for name, spec in BAD_INPUT.items():
-        kwargs = dict(spec() if callable(spec) else spec)
-        n_train = kwargs.pop("n_train", 32)
-        try:
-            make_trainer(n_train, **kwargs)
+        try:  # a strategy object checks its options when it is built, in the spec
+            kwargs = dict(spec() if callable(spec) else spec)
+            make_trainer(kwargs.pop("n_train", 32), **kwargs)
         except Exception as exc:
             error: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
         else:

@@ -1,0 +1,39 @@
+"""Strategies by name, and how to run a module a user hands over already wrapped."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+
+from fastdist.strategies.base import Strategy
+from fastdist.strategies.ddp import DDP
+from fastdist.strategies.fsdp import FSDP
+
+#: ``strategy="ddp"`` and ``strategy="fsdp"``: the strategies with their default options.
+BY_NAME: dict[str, type[Strategy]] = {"ddp": DDP, "fsdp": FSDP}
+
+
+def resolve_strategy(strategy: Any) -> Strategy:
+    """The strategy object of ``DistTrainer(strategy=...)``: a name means the defaults; an
+    object is copied, so that one object may configure several trainers."""
+    if isinstance(strategy, Strategy):
+        return copy.copy(strategy)
+    if isinstance(strategy, str) and strategy in BY_NAME:
+        return BY_NAME[strategy]()
+    raise ValueError(
+        f"strategy must be 'ddp' (every rank holds the whole model), 'fsdp' (sharded "
+        f"parameters, gradients and optimizer state) or an object of fastdist.strategies "
+        f"(DDP(...), FSDP(...)), got {strategy!r}"
+    )
+
+
+def eval_view(model: nn.Module) -> tuple[nn.Module, bool]:
+    """``(module to run, whether every rank must run equally many forwards)`` for a model
+    given as it is, possibly wrapped by DDP or sharded by FSDP."""
+    if isinstance(model, DistributedDataParallel):
+        return model.module, False
+    return model, isinstance(model, FSDPModule)

@@ -1,0 +1,241 @@
+"""Assembling a trainer from its arguments, top to bottom: check everything, form the process
+group, let the strategy wrap the model, then build the batches, evaluation, callbacks and
+checkpoints, and register every stateful part with the checkpointer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastdist.callbacks.callback import CallbackList
+from fastdist.callbacks.json_log import JSONLogCallback
+from fastdist.checkpoint import PER_RANK, Checkpointer, RandomState
+from fastdist.data import StreamBatches, TrainBatches
+from fastdist.data.feed import make_forward
+from fastdist.data.protocol import Batches
+from fastdist.distributed import (
+    backend_for,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_distributed,
+    is_multi_node,
+    new_gloo_group,
+)
+from fastdist.distributed.position import PositionBoard
+from fastdist.distributed.storage import check_shared_dirs
+from fastdist.evaluation.best_model import BestModel
+from fastdist.evaluation.evaluator import Evaluator
+from fastdist.evaluation.validator import Validator
+from fastdist.logging import logger
+from fastdist.state import TrainerState
+from fastdist.strategies import Strategy
+from fastdist.trainer.arguments import Arguments, check_all
+from fastdist.trainer.failure import install_excepthook
+from fastdist.trainer.loss_tracker import LossTracker
+from fastdist.trainer.options import TrainerOptions
+from fastdist.trainer.precision import Precision
+from fastdist.trainer.preemption import SigtermFlag
+from fastdist.trainer.safety import check_even_shards
+from fastdist.trainer.sync import Sync
+from fastdist.trainer.timing import RankTimer, SlowRankReport
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job."""
+
+    device: torch.device
+    rank: int
+    size: int
+    group: Any  # the trainer's process group (None: the default one)
+    board: PositionBoard  # where every rank is, for failure reports
+
+
+@dataclass
+class Run:
+    """Every part of one trainer, assembled."""
+
+    options: TrainerOptions
+    world: World
+    strategy: Strategy
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    forward: Callable[[nn.Module, Any], Any]
+    loss_fn: Callable[[Any, Any], Any]
+    precision: Precision
+    data: Batches
+    validator: Validator
+    callbacks: CallbackList
+    checkpointer: Checkpointer
+    rng: RandomState
+    state: TrainerState
+    losses: LossTracker
+    timer: RankTimer
+    slow_ranks: SlowRankReport
+    sigterm: SigtermFlag
+    sync: Sync
+
+
+def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
+    """A trainer's parts from ``DistTrainer``'s arguments (``given`` by name; ``extra``:
+    keywords it does not take, refused)."""
+    args = check_all(given, extra)  # alike on every rank, before any collective
+    options, device = args.options, args.device
+    precision = Precision(options.amp, device)  # refuses fp16 without CUDA
+    world = _form_world(options, device)
+    model = args.model.to(device)
+    forward = make_forward(model)  # from the signature, before compiling
+    if options.compile:
+        model.compile()
+    strategy = options.strategy
+    optimizer = strategy.setup(model, args.optimizer, device, world.group, options.amp)
+    timer = RankTimer(device, world.rank, world.size)
+    data = _batches(args, world, timer)
+    if not data.plans_uneven:  # a user's sampler: its shards must be equal
+        check_even_shards(len(data.loader), world.group)
+    if is_multi_node():
+        shared = [("save_path", options.save_path), ("checkpoint_dir", options.checkpoint_dir)]
+        check_shared_dirs([(name, path) for name, path in shared if path], world.group)
+    losses, sigterm = LossTracker(device), SigtermFlag()
+    raise_nonfinite = options.on_nonfinite == "raise"
+    run = Run(
+        options=options,
+        world=world,
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        forward=forward,
+        loss_fn=args.loss_fn,
+        precision=precision,
+        data=data,
+        validator=_validator(args, strategy, forward, world.group),
+        callbacks=_callbacks(args, world.rank == 0),
+        checkpointer=_checkpointer(options, world.group),
+        rng=RandomState(world.rank),
+        state=TrainerState(n_epochs=options.n_epochs),
+        losses=losses,
+        timer=timer,
+        slow_ranks=SlowRankReport(options.slow_rank_threshold, show=world.rank == 0),
+        sigterm=sigterm,
+        sync=Sync(losses, timer, model, raise_nonfinite, sigterm, world.board, device, world.group),
+    )
+    _register_parts(run)
+    return run
+
+
+def _form_world(options: TrainerOptions, device: torch.device) -> World:
+    """Form the process group (several processes) and the trainer's own group."""
+    if get_world_size() > 1:
+        spec = options.device
+        pinned = spec not in (None, "auto") and torch.device(spec).index is not None
+        backend = backend_for(device, pinned)
+        if backend == "gloo" and device.type == "cuda":
+            logger.info(
+                "%s is shared by this node's processes: gradients go over gloo; "
+                "device='auto' gives each process a GPU and nccl",
+                device,
+            )
+        init_distributed(backend=backend, timeout=options.timeout)
+    rank, size = get_rank(), get_world_size()
+    install_excepthook()
+    group = None  # a group of our own bounds every wait of the trainer by the timeout
+    if is_distributed() and options.timeout is not None:
+        group = dist.new_group(timeout=datetime.timedelta(seconds=options.timeout))
+    return World(device, rank, size, group, PositionBoard(rank, size))
+
+
+def _batches(args: Arguments, world: World, timer: RankTimer) -> Batches:
+    """This rank's training batches: a stream's, or a map-style dataset's."""
+    options = args.options
+    workers = options.num_workers
+    loader_options: dict[str, Any] = dict(
+        num_workers=workers,
+        collate_fn=args.collate_fn,
+        pin_memory=world.device.type == "cuda"
+        if options.pin_memory is None
+        else options.pin_memory,
+        persistent_workers=options.persistent_workers and workers > 0,
+        prefetch_factor=options.prefetch_factor if workers > 0 else None,
+    )
+    if args.stream:
+        return StreamBatches(
+            args.train_data,
+            options.batch_size_per_gpu,
+            options.drop_last,
+            world.rank,
+            world.size,
+            options.update_every,
+            new_gloo_group(options.timeout),
+            timer.collective_in_next,
+            **loader_options,
+        )
+    return TrainBatches(
+        args.train_data,
+        options.batch_size_per_gpu,
+        args.sampler,
+        args.batch_sampler,
+        options.drop_last,
+        options.seed,
+        world.rank,
+        world.size,
+        options.update_every,
+        **loader_options,
+    )
+
+
+def _validator(args: Arguments, strategy: Strategy, forward: Any, group: Any) -> Validator:
+    options = args.options
+    evaluator = Evaluator(
+        strategy.eval_module,
+        strategy.equal_forwards,
+        forward,
+        args.metrics,
+        strategy.device,
+        options.eval_batch_size,
+        options.num_workers,
+        args.collate_fn,
+        group,
+    )
+    best = BestModel(strategy, options.save_path, keep_in_memory=options.load_best_model)
+    return Validator(
+        args.dev_data, evaluator, args.metric_key, args.larger_better, options.validate_every, best
+    )
+
+
+def _callbacks(args: Arguments, is_master: bool) -> CallbackList:
+    """The callback lists; with a ``save_path``, a JSON log of the run unless one is given."""
+    master = list(args.callbacks_master)
+    given = args.callbacks_all + master
+    if args.options.save_path and not any(isinstance(cb, JSONLogCallback) for cb in given):
+        master.append(JSONLogCallback())  # the run's record: save_path/log.jsonl
+    return CallbackList(args.callbacks_all, master, is_master, guard_master=is_distributed())
+
+
+def _checkpointer(options: TrainerOptions, group: Any) -> Checkpointer:
+    """Checkpoints in ``checkpoint_dir``, else ``<save_path>/checkpoints``, else none."""
+    directory = options.checkpoint_dir
+    if directory is None and options.save_path is not None:
+        directory = os.path.join(options.save_path, "checkpoints")
+    return Checkpointer(directory, options.checkpoint_every, options.keep_checkpoints, group)
+
+
+def _register_parts(run: Run) -> None:
+    """Every stateful part, under the stable name a checkpoint holds it by."""
+    register = run.checkpointer.register
+    for name, part, scope in run.strategy.checkpoint_parts():  # model, optimizer, strategy
+        register(name, part, scope)
+    register("trainer", run.state)
+    register("precision", run.precision)
+    register("callbacks", run.callbacks)
+    register("best_model", run.validator.best)
+    register("data", run.data, PER_RANK)
+    register("rng", run.rng, PER_RANK)

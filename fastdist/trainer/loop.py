@@ -1,0 +1,337 @@
+"""The training loop (:meth:`Loop.train_epochs`, one screen, every hook in it) and the run
+around it: resume, the end of training, pre-emption."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from fastdist.callbacks.callback import TrainerView
+from fastdist.checkpoint import Resumed
+from fastdist.distributed import broadcast_object
+from fastdist.logging import logger
+from fastdist.trainer.build import Run
+from fastdist.trainer.failure import report_failure
+from fastdist.trainer.progress import Progress
+from fastdist.trainer.safety import all_finite, check_in_sync, failing_ranks
+from fastdist.trainer.sync import Agreement
+
+#: Exit code after a pre-emption (SIGTERM): 128 + 15, as if killed by the signal.
+PREEMPTED_EXIT_CODE = 143
+#: The agreement before any sync point: nothing agreed, nothing to stop.
+NOTHING = Agreement(stop_requested=False, preempted=False, loss=None, rank_times=None)
+
+
+class Loop:
+    """Runs the assembled parts of one trainer; callbacks see ``trainer`` (the facade)."""
+
+    def __init__(self, run: Run, trainer: TrainerView) -> None:
+        self.run, self.trainer = run, trainer
+        self.state, self.callbacks, self.data = run.state, run.callbacks, run.data
+        self.model, self.strategy, self.world = run.model, run.strategy, run.world
+        self.precision, self.losses, self.timer = run.precision, run.losses, run.timer
+        self.options = run.options
+        self.progress = Progress(show=False, use_tqdm=False, total=0, initial=0, global_batch=0)
+        run.callbacks.set_trainer(trainer)
+
+    def train_epochs(self) -> Agreement:
+        """Train from the state's position to the end of the last epoch; return the last
+        agreement (its ``stop`` says whether training stopped early)."""
+        state, callbacks, run = self.state, self.callbacks, self.run
+        callbacks.on_train_begin()
+        agreed = NOTHING
+        for epoch in self._epochs():
+            state.epoch = epoch
+            self.world.board.publish(epoch=epoch, step=state.global_step, phase="train")
+            callbacks.on_epoch_begin()
+            for batch in self._batches(epoch):  # sets state.batch_idx, is_update, is_filler
+                share = self.data.weights[state.batch_idx]
+                callbacks.on_batch_begin(batch)
+                # Only the last micro-batch of a window all-reduces gradients.
+                with contextlib.nullcontext() if state.is_update else self.strategy.no_sync():
+                    with self.precision.autocast(), eval_mode(self.model, state.is_filler):
+                        output = run.forward(self.strategy.module, batch)
+                        callbacks.on_loss_begin(batch, output)
+                        loss = self.losses.add(run.loss_fn(output, batch), share)
+                    callbacks.on_backward_begin(loss)
+                    weight = self.losses.weight(share)
+                    self.precision.backward(loss if weight == 1.0 else loss * weight)
+                if state.is_update:  # (sum, count) losses: divide by the update's global count
+                    self.losses.normalize(self.model, self.world.size, self.world.group)
+                self.timer.backward_done(state.is_update)  # splits off the all-reduce wait
+                callbacks.on_backward_end()
+                if state.is_update and self._optimizer_step():
+                    if state.global_step % self.options.print_every == 0:
+                        agreed = self.sync(read_loss=True)  # on_step_end sees the fresh loss
+                    callbacks.on_step_end()
+                    if run.validator.due_after_update(state.global_step):
+                        agreed = self._validate()
+                    ends_epoch = self.data.ends_pass(state.batch_idx + 1)  # saved below
+                    if run.checkpointer.due(state.global_step) and not ends_epoch:
+                        agreed = self._save_checkpoint() or agreed
+                callbacks.on_batch_end()
+                if agreed.stop:
+                    break
+            if not agreed.stop:  # the epoch ran to its end
+                state.epoch_complete = True
+                if run.validator.due_at_epoch_end:
+                    agreed = self._validate()
+            if not agreed.preempted:  # a pre-empted epoch has not ended: it resumes later
+                callbacks.on_epoch_end()
+            if state.epoch_complete:
+                agreed = self._save_checkpoint() or agreed
+            if agreed.stop:
+                break
+        if not agreed.preempted:
+            callbacks.on_train_end()
+        return agreed
+
+    def _epochs(self) -> range:
+        """The epochs left, the current one first if it is not complete."""
+        state = self.state
+        first = state.epoch + 1 if state.epoch_complete else state.epoch
+        return range(max(first, 1), self.options.n_epochs + 1)
+
+    def _batches(self, epoch: int) -> Iterator[Any]:
+        """This epoch's micro-batches on the device, from where training stands in it; the
+        timer times ``next()`` and the copy to the device as the data wait."""
+        state, update_every = self.state, self.options.update_every
+        if state.epoch_complete:
+            state.samples_in_epoch = state.batches_in_epoch = 0
+        state.epoch_complete = False
+        self.data.begin(epoch, state.samples_in_epoch, state.batches_in_epoch)
+        # iter() draws from the torch RNG. A checkpoint at an epoch end was taken before that
+        # draw, one inside an epoch after it: restore the saved state on the matching side.
+        mid_epoch = state.samples_in_epoch > 0 or state.batches_in_epoch > 0
+        if not mid_epoch:
+            self.run.rng.apply()  # a no-op unless a checkpoint was just restored
+        batches = self.data.iterate()
+        if mid_epoch:
+            self.run.rng.apply()
+        for batch_idx, batch in enumerate(self.timer.batches(batches, self.world.device)):
+            state.batch_idx = batch_idx
+            n = len(self.data.weights)  # a stream's grows by a window at a time
+            state.is_update = (batch_idx + 1) % update_every == 0 or batch_idx + 1 == n
+            state.is_filler = self.data.weights[batch_idx] == 0.0  # trains nothing
+            yield batch
+
+    def _optimizer_step(self) -> bool:
+        """Step, unless the gradients are non-finite or fp16 overflowed; say whether it did."""
+        state, optimizer = self.state, self.run.optimizer
+        # With fp16 the gradient scaler handles overflow itself, skipping such steps.
+        skip = self.options.on_nonfinite == "skip" and self.precision.scaler is None
+        if skip and not all_finite(p.grad for p in self.model.parameters()):
+            self._warn_skipped()
+            applied = False
+        else:
+            applied = self.precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        self.losses.end_window(applied)
+        if not applied:
+            state.skipped_steps += 1
+            return False
+        state.global_step += 1
+        state.samples_in_epoch, state.batches_in_epoch = self.data.position(state.batch_idx + 1)
+        self.strategy.after_step(state.global_step)  # e.g. local SGD's averaging
+        self.progress.update()
+        every = self.options.check_sync_every
+        if every and state.global_step % every == 0:
+            check_in_sync(self.model, state.global_step, self.world.group)
+        return True
+
+    def _warn_skipped(self) -> None:
+        """Warn that this update is skipped on every rank, naming the ranks with a NaN/Inf loss."""
+        finite = bool(torch.isfinite(self.losses.window_loss()))
+        culprits = list(failing_ranks(None if finite else True, self.world.group))
+        logger.warning(
+            "non-finite loss or gradient at epoch %d update %d; ranks with a non-finite loss: "
+            "%s: skipping this update on every rank",
+            self.state.epoch,
+            self.state.global_step + 1,
+            culprits,
+        )
+
+    def sync(self, read_loss: bool = False, check_model: bool = False) -> Agreement:
+        """A sync point (see :mod:`fastdist.trainer.sync`); record what it returns: the mean
+        loss (logged), the ranks' timings, the stop."""
+        state = self.state
+        agreed = self.run.sync.agree(
+            state.global_step, state.stop_requested, read_loss, check_model
+        )
+        if agreed.rank_times is not None:
+            times, updates = agreed.rank_times
+            state.rank_times = [t.as_dict() for t in times]
+            self.run.slow_ranks.observe(times, updates, state.global_step)
+        if agreed.loss is not None:
+            state.loss = agreed.loss
+            if self.world.rank == 0:
+                lr = self.run.optimizer.param_groups[0]["lr"]
+                self.progress.log(state.epoch, state.global_step, state.total_steps, state.loss, lr)
+        state.stop_requested = agreed.stop_requested
+        if agreed.stop:
+            why = "SIGTERM received" if agreed.preempted else "stop requested"
+            logger.info("%s; stopping at step %d", why, state.global_step)
+        return agreed
+
+    def evaluate(self, data: Dataset | None) -> dict[str, float]:
+        """Score ``data`` (default the dev data) with the metrics; same dict on every rank."""
+        validator = self.run.validator
+        data = validator.dev_data if data is None else data
+        if data is None or not validator.evaluator.metrics:
+            raise ValueError("evaluate() needs metrics= and data (or dev_data=) on the trainer")
+        self.world.board.publish(phase="evaluate")
+        # Each rank's forward updated its own running statistics (batch norm); evaluate all
+        # shards with rank 0's, the buffers DDP would broadcast before the next forward.
+        self.strategy.broadcast_buffers()
+        result = validator.evaluator.evaluate(data)
+        self.world.board.move(phase="train")
+        return result
+
+    def _validate(self) -> Agreement:
+        """Evaluate the dev data, keep the best model; agree on stop requests it led to."""
+        self.sync(check_model=True)  # a model with NaN/Inf weights is neither scored nor kept
+        self.callbacks.on_valid_begin()
+        with self.timer.paused():
+            result = self.evaluate(None)
+        validator = self.run.validator
+        is_better = validator.judge(result, self.state)
+        self.callbacks.on_valid_end(result, validator.metric_key, is_better)
+        return self.sync()  # e.g. early stopping's request, agreed at once
+
+    def _save_checkpoint(self) -> Agreement | None:
+        """Write a checkpoint (if checkpointing is on) of a model checked to be finite."""
+        if self.run.checkpointer.dir is None:
+            return None
+        agreed = self.sync(check_model=True)
+        with self.timer.paused():
+            self.run.checkpointer.save(self.state.global_step)
+        return agreed
+
+    def fit(self, resume: bool | str | os.PathLike) -> dict[str, Any]:
+        """What ``DistTrainer.train`` does: resume, train, end; the result on every rank."""
+        start, state, options = time.time(), self.state, self.options
+        self._begin(self.run.checkpointer.restore(resume))
+        try:
+            with self.run.sigterm.watching(), self.timer.hooked(self.model):
+                agreed = self.train_epochs()
+            if agreed.preempted:
+                self._save_checkpoint()
+                logger.warning("pre-empted: checkpoint written at step %d", state.global_step)
+                raise SystemExit(PREEMPTED_EXIT_CODE)
+            self._end()
+        except Exception as exc:
+            report_failure(exc, self.where(), options.timeout)
+            self.callbacks.on_exception(exc)
+            raise
+        finally:
+            self.progress.close()
+        result = {
+            "best_eval": state.best_eval,
+            "best_epoch": state.best_epoch,
+            "best_step": state.best_step,
+            "steps": state.global_step,
+            "seconds": round(time.time() - start, 3),
+        }
+        self.world.board.publish(phase="finished")
+        return broadcast_object(result, group=self.world.group)
+
+    def _begin(self, resumed: Resumed | None) -> None:
+        """Continue from a restored checkpoint, count the updates left, log the plan."""
+        state, options, world = self.state, self.options, self.world
+        global_batch = options.global_batch(world.size)
+        mid_epoch = not state.epoch_complete and (state.samples_in_epoch or state.batches_in_epoch)
+        if resumed is not None and mid_epoch:
+            position = self.data.resume_at(state.samples_in_epoch, state.batches_in_epoch)
+            state.samples_in_epoch, state.batches_in_epoch = position
+        left = self._updates_left()
+        state.total_steps = None if left is None else state.global_step + left
+        if resumed is not None:
+            logger.info(
+                "resumed from %s: epoch %d, %d samples into it, step %d%s",
+                resumed.path,
+                state.epoch,
+                0 if state.epoch_complete else state.samples_in_epoch,
+                state.global_step,
+                ""
+                if left != 0
+                else " (nothing left to train: resume=False or another save_path starts afresh)",
+            )
+            if resumed.world_size != world.size:
+                logger.warning(
+                    "resuming a %d-process run on %d processes: the rest of the epoch is "
+                    "sharded anew; global batch now %d",
+                    resumed.world_size,
+                    world.size,
+                    global_batch,
+                )
+        logger.info(
+            "training on %d process(es), %s; global batch %d = %d per process x %d x "
+            "update_every %d; %s updates",
+            world.size,
+            world.device,
+            global_batch,
+            options.batch_size_per_gpu,
+            world.size,
+            options.update_every,
+            "unknown (a stream)" if left is None else state.total_steps,
+        )
+        show = world.rank == 0
+        self.progress = Progress(
+            show, options.use_tqdm, state.total_steps, state.global_step, global_batch
+        )
+        self.losses.reset(state.global_step)
+
+    def _updates_left(self) -> int | None:
+        """Optimizer updates from the current position to the end of the last epoch (``None``:
+        unknown, a stream)."""
+        state, every = self.state, self.options.update_every
+        left = 0
+        for epoch in self._epochs():
+            mid = epoch == state.epoch and not state.epoch_complete
+            position = (state.samples_in_epoch, state.batches_in_epoch) if mid else (0, 0)
+            n = self.data.n_micro_batches(epoch, *position)
+            if n is None:
+                return None
+            left += -(-n // every)
+        return left
+
+    def _end(self) -> None:
+        """After the last epoch: the last losses and weights checked, the verdict on slow
+        ranks, the best model loaded where asked."""
+        state = self.state
+        self.sync(check_model=True)
+        self.run.slow_ranks.summary()
+        if self.options.check_sync_every:
+            check_in_sync(self.model, state.global_step, self.world.group)
+        if self.options.load_best_model and state.best_eval is not None:
+            self.run.validator.best.load(self.world.rank == 0)
+            logger.info(
+                "loaded the best model of epoch %d step %d", state.best_epoch, state.best_step
+            )
+
+    def where(self) -> Any:
+        """The position board with this rank's precise position (for failure reports)."""
+        state, board = self.state, self.world.board
+        board.move(epoch=state.epoch, step=state.global_step, hook=self.callbacks.current)
+        return board
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module, active: bool) -> Iterator[None]:
+    """Run in eval mode while ``active`` (a filler: no batch-norm statistics, no dropout)."""
+    if not active:  # the common case: touch nothing (train() walks every module)
+        yield
+        return
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)

@@ -1,0 +1,123 @@
+"""The trainer's options as one typed, validated, frozen object.
+
+:class:`~fastdist.DistTrainer` documents every option; this object holds the ones that are
+values rather than parts (data, model, optimizer, loss, metrics, callbacks, samplers are
+checked in :mod:`fastdist.trainer.arguments`). Validation runs before the process group
+starts, on every rank alike, so bad input fails the same way everywhere and never leaves a
+rank waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from fastdist.checks import check_bool, check_choice, check_int, check_number
+from fastdist.strategies import Strategy, resolve_strategy
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    """Options of :class:`~fastdist.DistTrainer`; see its docstring for their meaning."""
+
+    batch_size_per_gpu: int
+    n_epochs: int
+    update_every: int
+    print_every: int
+    validate_every: int
+    dev_batch_size_per_gpu: int | None
+    num_workers: int
+    drop_last: bool
+    pin_memory: bool | None
+    persistent_workers: bool
+    prefetch_factor: int | None
+    seed: int
+    metric_key: str | None
+    load_best_model: bool
+    save_path: str | None
+    checkpoint_dir: str | None
+    checkpoint_every: int
+    keep_checkpoints: int
+    use_tqdm: bool
+    device: str | torch.device | None
+    strategy: Strategy
+    amp: str | None
+    fp16: bool
+    compile: bool
+    timeout: float | None
+    on_nonfinite: str
+    check_sync_every: int
+    slow_rank_threshold: float
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any]) -> TrainerOptions:
+        """The options among ``DistTrainer``'s ``arguments`` (by name), checked."""
+        given = {f.name: arguments[f.name] for f in fields(cls)}
+        given["strategy"] = resolve_strategy(given["strategy"])
+        for name in ("save_path", "checkpoint_dir"):
+            if isinstance(given[name], os.PathLike):
+                given[name] = os.fspath(given[name])
+        if given["fp16"] and given["amp"] is None:  # fastNLP's switch
+            given["amp"] = "fp16"
+        return cls(**given)
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size_per_gpu", "n_epochs", "update_every", "print_every"):
+            check_int(name, getattr(self, name), minimum=1)
+        for name in ("dev_batch_size_per_gpu", "prefetch_factor"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), minimum=1)
+        for name in ("num_workers", "seed", "check_sync_every", "checkpoint_every"):
+            check_int(name, getattr(self, name), minimum=0)
+        check_int("keep_checkpoints", self.keep_checkpoints, minimum=1)
+        check_int("validate_every", self.validate_every, minimum=-1)
+        if self.validate_every == 0:
+            raise ValueError(
+                "validate_every=0 is not valid: use -1 to evaluate at the end of every epoch, "
+                "or N > 0 to evaluate every N optimizer updates"
+            )
+        for name in ("drop_last", "persistent_workers", "load_best_model", "use_tqdm", "fp16"):
+            check_bool(name, getattr(self, name))
+        check_bool("compile", self.compile)
+        if self.pin_memory is not None:
+            check_bool("pin_memory", self.pin_memory)
+        if self.timeout is not None:
+            check_number("timeout", self.timeout, 0, inclusive=False)
+        check_number("slow_rank_threshold", self.slow_rank_threshold, 0)
+        check_choice("amp", self.amp, (None, "bf16", "fp16"))
+        check_choice("on_nonfinite", self.on_nonfinite, ("raise", "skip"))
+        if self.on_nonfinite == "skip" and self.strategy.local_steps:
+            raise ValueError(
+                "on_nonfinite='skip' needs the gradients all-reduced every update, so that every "
+                "rank skips the same updates; local SGD (DDP(average_every=...)) steps on local "
+                "gradients: use on_nonfinite='raise' with it"
+            )
+        if self.metric_key is not None and not isinstance(self.metric_key, str):
+            raise TypeError(
+                f"metric_key must be a str such as 'acc' or '-loss', got {self.metric_key!r}"
+            )
+        for name in ("save_path", "checkpoint_dir"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise TypeError(
+                    f"{name} must be a directory path or None, got {getattr(self, name)!r}"
+                )
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.dev_batch_size_per_gpu or self.batch_size_per_gpu
+
+    def global_batch(self, world_size: int) -> int:
+        """Samples per optimizer update over all ranks (the nominal figure: a short last
+        batch or token batches make some updates smaller)."""
+        return self.batch_size_per_gpu * world_size * self.update_every
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every option as a number, string, bool or ``None`` (for logs and hyper-parameter
+        records); objects appear as their ``repr``."""
+        plain = (bool, int, float, str, type(None))
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v if isinstance(v, plain) else repr(v) for k, v in values.items()}

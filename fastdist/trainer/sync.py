@@ -1,0 +1,127 @@
+"""Sync points: one all-reduce that returns what every rank agrees on, as a value.
+
+At a log step, before and after an evaluation, at a checkpoint and at the end of training,
+every rank contributes its training-loss sum and count, its flags (stop requested, SIGTERM
+received, non-finite parameters) and its time split (see :mod:`fastdist.trainer.timing`); one
+all-reduce of ``5 + 3 * world_size`` numbers gives every rank all of them. The caller acts on
+the returned :class:`Agreement`; nothing is set behind its back, and nothing agreed here is
+ever checkpointed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+
+from fastdist.distributed import all_reduce_sum
+from fastdist.distributed.position import PositionBoard
+from fastdist.trainer.loss_tracker import LossTracker
+from fastdist.trainer.preemption import SigtermFlag
+from fastdist.trainer.safety import all_finite, failing_ranks
+from fastdist.trainer.timing import RankTime, RankTimer
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank learned at a sync point; the same on every rank.
+
+    Attributes:
+        stop_requested: some rank asked to stop (:meth:`DistTrainer.request_stop`).
+        preempted: some rank got SIGTERM (a pre-emption: checkpoint, then exit).
+        loss: the mean training loss over all ranks since the last read (when asked to read
+            it and some update ran), else ``None``.
+        rank_times: every rank's mean time split per update since the last sync that covered
+            updates, and how many updates it covers; ``None`` if none ran.
+    """
+
+    stop_requested: bool
+    preempted: bool
+    loss: float | None
+    rank_times: tuple[list[RankTime], int] | None
+
+    @property
+    def stop(self) -> bool:
+        """Whether every rank leaves the training loop now."""
+        return self.stop_requested or self.preempted
+
+
+class Sync:
+    """The all-reduce of a sync point (a collective every rank joins at the same place).
+
+    Args:
+        losses: this rank's pending training losses.
+        timer: this rank's time split.
+        model: checked for NaN/Inf parameters when asked.
+        raise_nonfinite: a NaN/Inf loss since the last read raises on every rank.
+        sigterm: whether this rank was sent SIGTERM (read at each sync).
+        board: this rank's published position.
+        device, group: where the numbers go, and over which group.
+    """
+
+    def __init__(
+        self,
+        losses: LossTracker,
+        timer: RankTimer,
+        model: nn.Module,
+        raise_nonfinite: bool,
+        sigterm: SigtermFlag,
+        board: PositionBoard,
+        device: torch.device,
+        group: Any,
+    ) -> None:
+        self.losses, self.timer, self.model = losses, timer, model
+        self.raise_nonfinite = raise_nonfinite
+        self.sigterm, self.board = sigterm, board
+        self.device, self.group = device, group
+
+    def agree(
+        self, step: int, stop_requested: bool, read_loss: bool, check_model: bool
+    ) -> Agreement:
+        """One all-reduce at update ``step``. Raises ``FloatingPointError`` on every rank if
+        some rank's loss since the last read was NaN/Inf (``raise_nonfinite``) or, with
+        ``check_model``, some rank's parameters are. With ``read_loss`` the pending losses
+        are read (and forgotten)."""
+        self.board.publish(step=step, phase="sync")
+        params = self.model.parameters()
+        bad_model = check_model and not all_finite(p.detach() for p in params)
+        flags = [float(stop_requested), float(self.sigterm.received), float(bad_model)]
+        numbers = torch.tensor(
+            flags + self.timer.payload(), dtype=torch.float64, device=self.device
+        )
+        stats = torch.cat([self.losses.pending(), numbers])
+        with self.timer.collective_wait():
+            reduced = all_reduce_sum(stats, self.group).tolist()
+        loss_sum, count, stop, sigterm, bad_models = reduced[:5]
+        self.board.move(phase="train")
+        if bad_models or (self.raise_nonfinite and not math.isfinite(loss_sum)):
+            self._raise_nonfinite(bad_model, step)
+        loss = None
+        if read_loss and count:
+            loss = loss_sum / count
+            self.losses.reset(step)
+        return Agreement(
+            stop_requested=stop > 0,
+            preempted=sigterm > 0,
+            loss=loss,
+            rank_times=self.timer.received(reduced[5:]),
+        )
+
+    def _raise_nonfinite(self, bad_model: bool, step: int) -> NoReturn:
+        """Raise on every rank (all are here, agreed), naming who saw what where."""
+        models = failing_ranks(True if bad_model else None, self.group)
+        if models:
+            raise FloatingPointError(
+                f"the model's parameters are NaN/Inf on ranks {list(models)} at update {step}: "
+                "a non-finite gradient was applied (lower the learning rate, clip gradients, "
+                "or use on_nonfinite='skip')"
+            )
+        losses = failing_ranks(self.losses.first_nonfinite(), self.group)
+        rank, (_, where) = min(losses.items(), key=lambda item: item[1][0])
+        raise FloatingPointError(
+            f"non-finite loss by update {step}, first at {where} on rank {rank}; ranks with a "
+            f"non-finite loss: {list(losses)}; on_nonfinite='skip' skips such updates"
+        )
