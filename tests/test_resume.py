@@ -34,7 +34,7 @@ from launch import (
 from workers.resume_worker import N_SAMPLES, build_trainer
 
 WORKER = Path(__file__).resolve().parent / "workers" / "resume_worker.py"
-CONFIGS = "plain,accumulate,epoch-lr,fsdp"  # resume_worker.CONFIGS
+CONFIGS = "plain,accumulate,epoch-lr,fsdp,powersgd,local-sgd"  # resume_worker.CONFIGS
 SIZE = 2  # processes of every torchrun launch
 
 pytestmark = pytest.mark.slow
@@ -138,6 +138,12 @@ def assert_matches_straight(
         pytest.param("accumulate", 6, "sigkill", 2, id="inside-update-window-sigkill"),
         # Dies before the first micro-batch of epoch 2: resumes from epoch 1's end.
         pytest.param("plain", 10, "exit", 9, id="epoch-boundary"),
+        # PowerSGD has compressed updates 11-13 when rank 1 dies in update 14: every rank's
+        # error feedback and Q matrices resume, re-laid out onto the new DDP's buckets.
+        pytest.param("powersgd", 14, "sigkill", 13, id="powersgd-error-feedback"),
+        # Local SGD averaged at update 12; ranks stepped on their own in update 13: each
+        # rank's parameters and momentum resume.
+        pytest.param("local-sgd", 14, "sigkill", 13, id="local-sgd-per-rank-state"),
     ],
 )
 def test_killed_run_resumes_exactly(
@@ -290,10 +296,12 @@ def test_sigterm_preempts_with_a_checkpoint_and_resumes_exactly(
         assert rank_result(tmp_path, config, "first", rank) == {"exit_code": 143, "step": 4}
     assert manifest_steps(tmp_path, config) == [4], "only the pre-emption checkpoint"
     saved = torch.load(checkpoint_path(tmp_path, config, 4), weights_only=True)
-    assert saved["trainer"]["global_step"] == 4 and saved["world_size"] == SIZE
-    assert not saved["trainer"]["epoch_complete"]
-    if config == "epoch-lr":  # StepLR's state, callbacks_all[0]: epoch 1 has not ended
-        assert saved["callbacks_all"][0]["last_epoch"] == 0, "stepped at the pre-emption"
+    trainer_state = saved["parts"]["trainer"]
+    assert trainer_state["global_step"] == 4 and saved["world_size"] == SIZE
+    assert not trainer_state["epoch_complete"] and "stop_requested" not in trainer_state
+    if config == "epoch-lr":  # StepLR's state: epoch 1 has not ended
+        step_lr = saved["parts"]["callbacks"]["all"]["LRSchedulerCallback#0"]
+        assert step_lr["last_epoch"] == 0, "stepped at the pre-emption"
 
     resumed = launch(tmp_path, config, "resumed", "--checkpoint-every", "0")
     assert f"resumed from {checkpoint_path(tmp_path, config, 4)}" in resumed.output

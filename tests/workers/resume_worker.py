@@ -37,18 +37,23 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from workers.trainer_worker import CLASSES, DIM, ToyData
 
-from fastdist import Callback, CrossEntropyLoss, DistTrainer, get_rank
+from fastdist import DDP, Callback, CrossEntropyLoss, DistTrainer, get_rank
 from fastdist.callbacks import LRSchedulerCallback, WarmupCallback
 
 N_SAMPLES, BATCH, N_EPOCHS = 72, 4, 2  # 2 ranks: 36 samples = 9 micro-batches per epoch
 HIDDEN = 16
 KILL_RANK = 1
-# name -> (update_every, learning-rate schedule)
-CONFIGS: dict[str, tuple[int, str]] = {
-    "plain": (1, "warmup"),  # 9 updates per epoch on 2 ranks
-    "accumulate": (2, "warmup"),  # windows of 2 micro-batches, a short last one: 5 updates
-    "epoch-lr": (1, "epoch"),  # StepLR stepped at every epoch end
-    "fsdp": (2, "warmup"),  # as accumulate, with strategy="fsdp": sharded (DCP) checkpoints
+# name -> (update_every, learning-rate schedule, strategy)
+CONFIGS: dict[str, tuple[int, str, Any]] = {
+    "plain": (1, "warmup", "ddp"),  # 9 updates per epoch on 2 ranks
+    "accumulate": (2, "warmup", "ddp"),  # windows of 2 micro-batches, a short last one: 5 updates
+    "epoch-lr": (1, "epoch", "ddp"),  # StepLR stepped at every epoch end
+    "fsdp": (2, "warmup", "fsdp"),  # as accumulate, sharded (DCP) checkpoints
+    # PowerSGD compresses from update 11: its per-rank error feedback and Q matrices must resume.
+    "powersgd": (1, "warmup", DDP(comm_hook="powersgd")),
+    # Local SGD: after 4 updates, ranks step on their own and average every 4th update; each
+    # rank's parameters and momentum between averagings must resume.
+    "local-sgd": (1, "warmup", DDP(average_every=4)),
 }
 
 
@@ -144,7 +149,7 @@ def build_trainer(
     callbacks: list[Callback] | None = None,
 ) -> DistTrainer:
     """The trainer of ``config``, built from fixed seeds (the same in every attempt)."""
-    update_every, schedule = CONFIGS[config]
+    update_every, schedule, strategy = CONFIGS[config]
     torch.manual_seed(1234)  # the model's init and the first dropout masks
     model = DropNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
@@ -168,7 +173,7 @@ def build_trainer(
         device="cpu",
         checkpoint_every=checkpoint_every,
         keep_checkpoints=3,
-        strategy="fsdp" if config == "fsdp" else "ddp",
+        strategy=strategy,
     )
 
 

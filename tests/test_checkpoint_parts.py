@@ -1,0 +1,97 @@
+"""Checkpoints as named parts, in one process with real files: what a checkpoint holds, what a
+resumed run inherits (and what it must not), format-1 checkpoints, mismatched strategies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from workers.trainer_worker import make_trainer, on
+
+from fastdist.callbacks import WarmupCallback
+from fastdist.checkpoint.rng import rng_state
+
+pytestmark = pytest.mark.usefixtures("no_dist_env")
+
+
+def stop_at(step: int) -> Any:
+    """A callback asking to stop after update ``step``."""
+
+    def request(trainer: Any) -> None:
+        if trainer.state.global_step == step:
+            trainer.request_stop()
+
+    return on("on_step_end", request)
+
+
+def test_a_stop_agreed_at_a_checkpoint_is_not_inherited(tmp_path: Path) -> None:
+    """The stop asked for at update 3 is agreed at update 3's checkpoint, which holds the
+    position but not the stop: the resumed run, given more epochs, trains to its end."""
+    first = make_trainer(
+        24, save_path=str(tmp_path), checkpoint_every=3, callbacks_all=[stop_at(3)]
+    )
+    assert first.train()["steps"] == 3
+    saved = torch.load(tmp_path / "checkpoints" / "step-00000003.pt", weights_only=True)
+    assert saved["format"] == 2 and saved["parts"]["trainer"]["global_step"] == 3
+    assert "stop_requested" not in saved["parts"]["trainer"]
+    resumed = make_trainer(24, save_path=str(tmp_path), checkpoint_every=3, n_epochs=2)
+    result = resumed.train()
+    assert result["steps"] == resumed.state.total_steps == 6  # 24 samples, batch 8: 3 a epoch
+    assert not resumed.state.stop_requested
+
+
+def test_a_checkpoint_holds_every_registered_part(tmp_path: Path) -> None:
+    make_trainer(24, save_path=str(tmp_path), callbacks_all=[WarmupCallback(warmup=2)]).train()
+    saved = torch.load(tmp_path / "checkpoints" / "step-00000003.pt", weights_only=True)
+    assert set(saved["parts"]) == {
+        "model",
+        "optimizer",
+        "trainer",
+        "precision",
+        "callbacks",
+        "best_model",
+    }
+    assert set(saved["per_rank"]) == {"strategy", "data", "rng"}
+    assert saved["sharded"] == [] and saved["world_size"] == 1
+    assert saved["parts"]["callbacks"] == {
+        "all": {"WarmupCallback#0": {"base_lrs": [0.1]}},
+        "master": {},  # the JSON log keeps no state
+    }
+
+
+def test_a_format_1_checkpoint_still_loads(tmp_path: Path) -> None:
+    """The flat layout fastdist wrote before named parts (format 1) resumes."""
+    donor = make_trainer(24, n_epochs=1, callbacks_all=[WarmupCallback(warmup=2)])
+    donor.train()
+    trainer_state = donor.state.state_dict()
+    old = {
+        "format": 1,
+        "model": donor.model.state_dict(),
+        "optimizer": donor.optimizer.state_dict(),
+        "callbacks_all": [{"base_lrs": [0.1]}],
+        "callbacks_master": [],
+        "trainer": dict(trainer_state, stop_requested=True, n_epochs=1),  # as format 1 saved it
+        "precision": {},
+        "ddp": {},
+        "best_model_path": None,
+        "world_size": 1,
+        "seed": 0,
+        "rng": [rng_state()],
+        "data": [None],
+    }
+    path = tmp_path / "format1.pt"
+    torch.save(old, path)
+    warmup = WarmupCallback(warmup=2)
+    resumed = make_trainer(24, n_epochs=2, callbacks_all=[warmup])
+    result = resumed.train(resume=str(path))
+    assert result["steps"] == 6, "epoch 2 trained, the old stop flag ignored"
+    assert warmup.base_lrs == [0.1]
+
+
+def test_a_checkpoint_of_another_strategy_is_refused_by_name(tmp_path: Path) -> None:
+    make_trainer(24, save_path=str(tmp_path)).train()  # DDP: the model in the file
+    sharded = make_trainer(24, save_path=str(tmp_path), n_epochs=2, strategy="fsdp")
+    with pytest.raises(ValueError, match="holds 'model' as a replicated state, but this run"):
+        sharded.train()
