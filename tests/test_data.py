@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 import torch
 from launch import run_ranks
+from torch.utils.data import DataLoader
 
 from fastdist.data import TokenBatchSampler
+from fastdist.data.workers import fork_may_hang, worker_context
 
 WORKER = Path(__file__).resolve().parent / "workers" / "data_worker.py"
 N_SEQ, MAX_TOKENS = 203, 24  # the worker's sequences and token budget
@@ -83,3 +85,22 @@ def test_token_batches_do_not_depend_on_the_world_size() -> None:
 def test_token_sampler_names_a_sample_over_budget() -> None:
     with pytest.raises(ValueError, match=r"sample 2 has length 70 > max_tokens=64"):
         TokenBatchSampler([3, 5, 70, 1], 64)
+
+
+@pytest.mark.parametrize(
+    "version, hangs",
+    [((3, 11, 7), True), ((3, 11, 10), False), ((3, 10, 14), True), ((3, 12, 0), False)],
+)
+def test_fork_may_hang_on_pythons_before_the_cpython_fix(
+    version: tuple[int, int, int], hangs: bool
+) -> None:
+    assert fork_may_hang(version) is hangs  # CPython gh-112275
+
+
+def test_forkserver_workers_start_and_read_every_item() -> None:
+    """The opt-in start method for forked-worker hangs reads the data like a fork does."""
+    data = list(range(10))
+    loader = DataLoader(
+        data, batch_size=3, num_workers=2, multiprocessing_context=worker_context("forkserver")
+    )
+    assert sorted(i for batch in loader for i in batch.tolist()) == data

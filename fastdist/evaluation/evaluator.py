@@ -72,6 +72,7 @@ class Evaluator:
         num_workers: int = 0,
         collate_fn: Callable | None = None,
         group: Any = None,
+        multiprocessing_context: Any = None,
     ) -> None:
         self.model = model
         self.equal_forwards = equal_forwards
@@ -82,6 +83,7 @@ class Evaluator:
         self.num_workers = num_workers
         self.collate_fn = collate_fn
         self.group = group
+        self.multiprocessing_context = multiprocessing_context
 
     @torch.no_grad()
     def evaluate(self, data: Dataset) -> dict[str, float]:
@@ -93,6 +95,7 @@ class Evaluator:
             sampler=sampler,
             num_workers=self.num_workers,
             collate_fn=self.collate_fn,
+            multiprocessing_context=self.multiprocessing_context,
         )
         was_training = self.model.training
         self.model.eval()

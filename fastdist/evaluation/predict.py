@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from fastdist.data.feed import make_forward, to_device
+from fastdist.data.workers import worker_context
 from fastdist.distributed import all_gather_object, get_rank, get_world_size
 from fastdist.evaluation.evaluator import ShardSampler, padded_batches
 from fastdist.evaluation.spill import Writer, cleanup, merge, open_work_dir, spill_path
@@ -42,6 +43,7 @@ def predict(
     to_output: ToOutput | None = None,
     group: Any = None,
     num_workers: int = 0,
+    multiprocessing_context: str | None = None,
 ) -> list[Any] | None:
     """Run ``model`` over ``data`` on every rank; rank 0 gets the outputs in dataset order.
 
@@ -80,6 +82,7 @@ def predict(
         to_output: ``to_output(output, batch) -> list``, one object per sample of the batch.
         group: process group of the collectives (all ranks); default the world.
         num_workers: DataLoader worker processes per rank.
+        multiprocessing_context: how they start (see :mod:`fastdist.data.workers`).
 
     Returns:
         On rank 0 the list of per-sample outputs in dataset order, or ``None`` with
@@ -104,22 +107,21 @@ def predict(
     handed_over = False  # another rank's spill file stays until rank 0 has read it
     try:
         sampler = ShardSampler(n, rank, world)
+        loader = DataLoader(
+            data,  # type: ignore[arg-type]  # any sequence works at run time
+            batch_size=batch_size_per_gpu,
+            sampler=sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=device.type == "cuda",
+            multiprocessing_context=worker_context(multiprocessing_context)
+            if num_workers
+            else None,
+        )
         error: str | None = None
         failure: Exception | None = None
         try:
-            _predict_shard(
-                model,
-                equal_forwards,
-                data,
-                sampler,
-                batch_size_per_gpu,
-                collate_fn,
-                num_workers,
-                device,
-                to_output,
-                spill,
-                as_json,
-            )
+            _predict_shard(model, equal_forwards, loader, device, to_output, spill, as_json)
         except Exception as exc:  # the others must still learn of it: no rank may hang
             failure, error = exc, f"{type(exc).__name__}: {exc}"
         # The one collective after the loop: a barrier that also carries every rank's outcome.
@@ -223,26 +225,17 @@ def _check_args(
 def _predict_shard(
     model: nn.Module,
     equal_forwards: bool,
-    data: Dataset | Sequence[Any],
-    sampler: ShardSampler,
-    batch_size: int,
-    collate_fn: Callable | None,
-    num_workers: int,
+    loader: DataLoader,
     device: torch.device,
     to_output: ToOutput | None,
     spill: str,
     as_json: bool,
 ) -> None:
-    """Predict this rank's shard and stream the outputs to ``spill``; no collectives of its
-    own (an FSDP model's forwards are, made equally many on every rank)."""
-    loader = DataLoader(
-        data,  # type: ignore[arg-type]  # any sequence works at run time
-        batch_size=batch_size,
-        sampler=sampler,
-        num_workers=num_workers,
-        collate_fn=collate_fn,
-        pin_memory=device.type == "cuda",
-    )
+    """Predict this rank's shard (``loader``, of a :class:`ShardSampler`) and stream the
+    outputs to ``spill``; no collectives of its own (an FSDP model's forwards are, made equally
+    many on every rank)."""
+    sampler, batch_size = loader.sampler, loader.batch_size or 1
+    assert isinstance(sampler, ShardSampler)
     forward = make_forward(model)
     was_training = model.training
     model.eval()

@@ -21,6 +21,7 @@ from fastdist.checkpoint import PER_RANK, Checkpointer, RandomState
 from fastdist.data import StreamBatches, TrainBatches
 from fastdist.data.feed import make_forward
 from fastdist.data.protocol import Batches
+from fastdist.data.workers import warn_if_fork_may_hang, worker_context
 from fastdist.distributed import (
     backend_for,
     get_rank,
@@ -157,6 +158,7 @@ def _batches(args: Arguments, world: World, timer: RankTimer) -> Batches:
     """This rank's training batches: a stream's, or a map-style dataset's."""
     options = args.options
     workers = options.num_workers
+    warn_if_fork_may_hang(options.multiprocessing_context, workers, world.size)
     loader_options: dict[str, Any] = dict(
         num_workers=workers,
         collate_fn=args.collate_fn,
@@ -165,6 +167,9 @@ def _batches(args: Arguments, world: World, timer: RankTimer) -> Batches:
         else options.pin_memory,
         persistent_workers=options.persistent_workers and workers > 0,
         prefetch_factor=options.prefetch_factor if workers > 0 else None,
+        multiprocessing_context=worker_context(options.multiprocessing_context)
+        if workers
+        else None,
     )
     if args.stream:
         return StreamBatches(
@@ -204,6 +209,7 @@ def _validator(args: Arguments, strategy: Strategy, forward: Any, group: Any) ->
         options.num_workers,
         args.collate_fn,
         group,
+        worker_context(options.multiprocessing_context) if options.num_workers else None,
     )
     best = BestModel(strategy, options.save_path, keep_in_memory=options.load_best_model)
     return Validator(

@@ -82,6 +82,9 @@ class DistTrainer:
         fp16: fastNLP's switch, the same as ``amp="fp16"``.
         pin_memory: page-locked batches for faster copies to the GPU; default: on CUDA.
         persistent_workers, prefetch_factor: passed to the DataLoader (with ``num_workers``).
+        multiprocessing_context: how DataLoader workers start: ``None`` (torch's default, a
+            fork on Linux), ``"fork"``, ``"forkserver"`` or ``"spawn"``; before Python 3.11.10
+            a forked worker can hang (see :mod:`fastdist.data.workers`).
         compile: ``torch.compile`` the model (in place) before wrapping it.
         strategy: how the model is spread over the ranks, with its own options:
             ``"ddp"`` = :class:`~fastdist.strategies.DDP` ``()`` (every rank holds the whole
@@ -150,6 +153,7 @@ class DistTrainer:
         pin_memory: bool | None = None,
         persistent_workers: bool = False,
         prefetch_factor: int | None = None,
+        multiprocessing_context: str | None = None,
         compile: bool = False,
         strategy: str | Strategy = "ddp",
         slow_rank_threshold: float = 0.1,
@@ -217,6 +221,7 @@ class DistTrainer:
         self.strategy.broadcast_buffers()  # as evaluate() does
         kwargs.setdefault("collate_fn", self._loop.run.validator.evaluator.collate_fn)
         kwargs.setdefault("num_workers", self.options.num_workers)
+        kwargs.setdefault("multiprocessing_context", self.options.multiprocessing_context)
         try:
             return run_predict(
                 self.strategy.eval_module,

@@ -33,7 +33,7 @@ class Loop:
     """Runs the assembled parts of one trainer; callbacks see ``trainer`` (the facade)."""
 
     def __init__(self, run: Run, trainer: TrainerView) -> None:
-        self.run, self.trainer = run, trainer
+        self.run = run
         self.state, self.callbacks, self.data = run.state, run.callbacks, run.data
         self.model, self.strategy, self.world = run.model, run.strategy, run.world
         self.precision, self.losses, self.timer = run.precision, run.losses, run.timer

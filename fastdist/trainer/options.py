@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fastdist.checks import check_bool, check_choice, check_int, check_number
+from fastdist.data.workers import CONTEXTS
 from fastdist.strategies import Strategy, resolve_strategy
 
 
@@ -35,6 +36,7 @@ class TrainerOptions:
     pin_memory: bool | None
     persistent_workers: bool
     prefetch_factor: int | None
+    multiprocessing_context: str | None
     seed: int
     metric_key: str | None
     load_best_model: bool
@@ -89,6 +91,7 @@ class TrainerOptions:
             check_number("timeout", self.timeout, 0, inclusive=False)
         check_number("slow_rank_threshold", self.slow_rank_threshold, 0)
         check_choice("amp", self.amp, (None, "bf16", "fp16"))
+        check_choice("multiprocessing_context", self.multiprocessing_context, CONTEXTS)
         check_choice("on_nonfinite", self.on_nonfinite, ("raise", "skip"))
         if self.on_nonfinite == "skip" and self.strategy.local_steps:
             raise ValueError(

@@ -80,6 +80,8 @@ def stream_trainer(data: IterableDataset, **kwargs: Any) -> DistTrainer:
     """The toy trainer on a stream: batches of 3, update_every 2, two epochs, 60 s timeout."""
     torch.manual_seed(0)
     options = {"batch_size_per_gpu": STREAM_BATCH, "update_every": 2, "n_epochs": 2}
+    if kwargs.get("num_workers"):  # forked workers can hang on Python < 3.11.10 (see
+        options["multiprocessing_context"] = "forkserver"  # fastdist.data.workers)
     return make_trainer(data, timeout=60, **{**options, **kwargs})
 
 
