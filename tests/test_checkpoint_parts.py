@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 import torch
-from workers.trainer_worker import make_trainer, on
+from workers.trainer_worker import ToyData, make_trainer, on
 
 from fastdist.callbacks import WarmupCallback
 from fastdist.checkpoint.rng import rng_state
+from fastdist.metrics import Metric
 
 pytestmark = pytest.mark.usefixtures("no_dist_env")
 
@@ -95,3 +96,39 @@ def test_a_checkpoint_of_another_strategy_is_refused_by_name(tmp_path: Path) -> 
     sharded = make_trainer(24, save_path=str(tmp_path), n_epochs=2, strategy="fsdp")
     with pytest.raises(ValueError, match="holds 'model' as a replicated state, but this run"):
         sharded.train()
+
+
+class FirstIsBest(Metric):
+    """Scores every evaluation lower than the one before: the first is the best."""
+
+    keys = ("score",)
+    evaluations = 0
+
+    def reset(self) -> None:
+        FirstIsBest.evaluations += 1
+
+    def update(self, output: Any, batch: Any) -> None:
+        pass
+
+    def state(self) -> torch.Tensor:
+        return torch.tensor([float(FirstIsBest.evaluations)], dtype=torch.float64)
+
+    def compute(self, state: torch.Tensor) -> dict[str, float]:
+        return {"score": -float(state[0])}
+
+
+def test_the_best_model_kept_in_memory_survives_a_resume(tmp_path: Path) -> None:
+    """save_path=None, checkpoint_dir=...: the best weights live in memory on rank 0; the
+    checkpoint keeps them, so the resumed run ends with epoch 1's weights, its best."""
+    checkpoints = str(tmp_path / "checkpoints")
+    options: dict[str, Any] = dict(
+        dev_data=ToyData(8), metrics=FirstIsBest(), checkpoint_dir=checkpoints
+    )
+    first = make_trainer(24, n_epochs=1, **options)
+    first.train()
+    best = {k: v.clone() for k, v in first.model.state_dict().items()}  # epoch 1's weights
+    resumed = make_trainer(24, n_epochs=3, **options)
+    result = resumed.train()
+    assert result["best_epoch"] == 1 and result["steps"] == 9
+    for name, value in resumed.model.state_dict().items():
+        assert torch.equal(value, best[name]), f"{name}: not the best model of epoch 1"

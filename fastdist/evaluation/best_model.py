@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from fastdist.checkpoint import atomic_save
+from fastdist.distributed import get_rank
 from fastdist.strategies import Strategy
 
 
@@ -16,7 +17,9 @@ class BestModel:
     """Rank 0 keeps the best weights, whole and unsharded (a plain ``state_dict`` that loads
     into the model without fastdist): in a file under ``save_path``, else (if they will be
     loaded at the end) in memory. The file name carries the run's start time, so a new run
-    never overwrites an earlier run's best model. A checkpoint part: it saves the file's path.
+    never overwrites an earlier run's best model. A checkpoint part: it saves the file's path,
+    or the weights it keeps in memory (rank 0's, so that a resumed run ends with the best of
+    the whole run, not of its own part).
     """
 
     def __init__(self, strategy: Strategy, save_path: str | None, keep_in_memory: bool) -> None:
@@ -52,7 +55,9 @@ class BestModel:
         self.strategy.load_full_state_dict(weights)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"path": self.path}
+        return {"path": self.path, "weights": self._weights}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.path = state["path"]
+        if get_rank() == 0:  # only rank 0 keeps the weights (absent in format 1)
+            self._weights = state.get("weights")
