@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 from launch import run_ranks
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
+from workers.trainer_worker import SampleIds, make_trainer
 
 from fastdist.data import TokenBatchSampler
 from fastdist.data.workers import fork_may_hang, worker_context
@@ -104,3 +105,24 @@ def test_forkserver_workers_start_and_read_every_item() -> None:
         data, batch_size=3, num_workers=2, multiprocessing_context=worker_context("forkserver")
     )
     assert sorted(i for batch in loader for i in batch.tolist()) == data
+
+
+class EveryOther(Sampler[int]):
+    """A user's sampler: the even indices of 20 samples, in order."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(range(0, 20, 2))
+
+    def __len__(self) -> int:
+        return 10
+
+
+def test_a_user_sampler_with_drop_last_drops_the_short_batch(no_dist_env: None) -> None:
+    """10 sampled indices in batches of 4 with drop_last: 2 updates of 4 samples, the last 2
+    samples dropped (the short batch was trained again at full weight: 3 updates)."""
+    ids = SampleIds()
+    trainer = make_trainer(
+        20, sampler=EveryOther(), drop_last=True, batch_size_per_gpu=4, callbacks_all=[ids]
+    )
+    assert trainer.train()["steps"] == 2
+    assert ids.epochs == [[0, 2, 4, 6, 8, 10, 12, 14]]

@@ -114,7 +114,8 @@ class TrainBatches:
             skip = batches // w
             return [[1] * (len(s) - skip)] * w, skip
         skip = samples // (self.batch_size * w)
-        return [split_batches(len(s) - skip * self.batch_size, self.batch_size, False)] * w, skip
+        left = len(s) - skip * self.batch_size
+        return [split_batches(left, self.batch_size, self.drop_last)] * w, skip
 
     def n_micro_batches(self, epoch: int, samples: int = 0, batches: int = 0) -> int:
         """Micro-batches every rank runs in a pass (the longest shard's batches)."""
