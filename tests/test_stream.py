@@ -103,6 +103,32 @@ def test_stateful_stream_resumes_mid_epoch_bit_exact(size: int, workers: str, wo
 
 
 @pytest.mark.slow
+def test_a_rank_whose_part_ended_resumes_with_fillers(worlds: Any) -> None:
+    """The checkpoint of update 6 was taken after rank 1's part had ended: the resumed run
+    fills for rank 1 and ends as the straight run (it raised '... fewer items than its 2
+    readers' on every rank)."""
+    _, ranks = worlds(2)
+    for data in ranks:
+        run = data["resume_after_end"]
+        assert (run["stopped_at"], run["resumed_at"], run["steps"]) == (8, 6, 9)
+        assert run["resumed"] == run["straight"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [1, 2])
+def test_set_epoch_reaches_persistent_workers(size: int, worlds: Any) -> None:
+    """Every epoch in its own order with persistent workers too (they repeated epoch 1's)."""
+    _, ranks = worlds(size)
+    for data in ranks:
+        fresh, persistent = data["persistent"]["False"], data["persistent"]["True"]
+        assert persistent == fresh
+        assert persistent[0] != persistent[1]
+    for epoch in range(2):
+        seen = sorted(i for data in ranks for i in data["persistent"]["True"][epoch])
+        assert seen == EVERY_ITEM, f"epoch {epoch}"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [1, 2])
 def test_stream_without_state_restarts_its_epoch(size: int, worlds: Any) -> None:
     result, ranks = worlds(size)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import multiprocessing
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -47,7 +48,30 @@ def is_stateful(data: Any) -> bool:
     )
 
 
-class StreamShard(IterableDataset):
+class EpochCarrier(IterableDataset):
+    """Wraps ``dataset`` so that :meth:`set_epoch` reaches the DataLoader workers reading it.
+
+    A worker reads its own copy of the dataset, made when it started; a persistent worker
+    (``persistent_workers=True``) never sees ``set_epoch`` called on the main process's. The
+    epoch is kept in shared memory and handed to the worker's copy when it starts a pass.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self._epoch = multiprocessing.RawValue("q", -1)  # -1: never set
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch, for a dataset that shuffles by it."""
+        self._epoch.value = epoch
+
+    def _at_epoch(self) -> Any:
+        """The dataset, told the current epoch (in whichever process reads it)."""
+        if self._epoch.value >= 0 and hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(self._epoch.value)
+        return self.dataset
+
+
+class StreamShard(EpochCarrier):
     """This reader's items of ``dataset``: item ``i`` if ``i % readers == reader``.
 
     Readers are the DataLoader workers of all ranks (``rank * workers + worker`` of
@@ -58,27 +82,24 @@ class StreamShard(IterableDataset):
     """
 
     def __init__(self, dataset: Any, rank: int, world_size: int) -> None:
-        self.dataset, self.rank, self.world_size = dataset, rank, world_size
+        super().__init__(dataset)
+        self.rank, self.world_size = rank, world_size
         self._taken = False  # this reader kept an item since the (resumed) start
         self._resume: dict[str, Any] | None = None
-
-    def set_epoch(self, epoch: int) -> None:
-        """Pass the epoch on to a dataset that shuffles by it."""
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         readers, reader = self.world_size * workers, self.rank * workers + worker
+        dataset = self._at_epoch()
         resume, self._resume = self._resume, None
         first, self._taken = reader, False
         if resume is not None:
-            self.dataset.load_state_dict(resume["dataset"])
+            dataset.load_state_dict(resume["dataset"])
             self._taken = resume["taken"]
             if self._taken:  # the dataset stands just after this reader's last item
                 first = readers - 1
-        for item in itertools.islice(iter(self.dataset), first, None, readers):
+        for item in itertools.islice(iter(dataset), first, None, readers):
             self._taken = True
             yield item
 
@@ -91,7 +112,7 @@ class StreamShard(IterableDataset):
         self._resume = state
 
 
-class ShardedStream(IterableDataset):
+class ShardedStream(EpochCarrier):
     """A stream that reads only this reader's part itself: fastdist takes it as it is.
 
     Wrap a dataset that splits its sources by rank and DataLoader worker, as streaming
@@ -107,11 +128,14 @@ class ShardedStream(IterableDataset):
         >>> trainer = DistTrainer(ShardedStream(my_sharded_stream), model, ...)
     """
 
-    def __init__(self, dataset: IterableDataset) -> None:
-        self.dataset = dataset
-
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.dataset)
+        return iter(self._at_epoch())
+
+    def state_dict(self) -> Any:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.dataset.load_state_dict(state)
 
 
 class CountingCollate:
@@ -156,9 +180,9 @@ class StreamBatches:
     ) -> None:
         self.rank, self.world_size, self.update_every = rank, world_size, update_every
         self.group, self.wait = group, wait
-        self.source: IterableDataset
+        self.source: EpochCarrier
         if isinstance(data, ShardedStream):  # reads its own part: taken as it is
-            self.source, self.stateful = data.dataset, is_stateful(data.dataset)
+            self.source, self.stateful = data, is_stateful(data.dataset)
         else:
             self.source, self.stateful = StreamShard(data, rank, world_size), is_stateful(data)
         loader_class: Any = DataLoader
@@ -196,8 +220,7 @@ class StreamBatches:
 
     def begin(self, epoch: int, samples: int, batches: int) -> None:
         """Start a pass of ``epoch`` from the position ``(samples, batches)``."""
-        if hasattr(self.source, "set_epoch"):
-            self.source.set_epoch(epoch)
+        self.source.set_epoch(epoch)
         self.weights = []
         self._ends = {0: (samples, batches)}
 
@@ -207,6 +230,8 @@ class StreamBatches:
         self.exhausted = resume is not None and resume["exhausted"]
         if resume is not None and not self.exhausted:
             self.loader.load_state_dict(resume["loader"])
+        if self.exhausted and self.last is None:  # resumed after this rank's part ended:
+            _, self.last = next(iter(self.loader))  # a batch for its fillers (weight 0)
         return self._windows(iter(()) if self.exhausted else iter(self.loader))
 
     def _windows(self, batches: Iterator[tuple[int, Any]]) -> Iterator[Any]:

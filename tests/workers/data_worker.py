@@ -90,11 +90,12 @@ class StopAt(Callback):
             self.trainer.request_stop()
 
 
-def _resume_pair(build: Any, save_path: Path) -> dict[str, Any]:
-    """Straight run vs a run stopped mid-epoch then resumed from its checkpoint of step 3."""
+def _resume_pair(build: Any, save_path: Path, stop_at: int = 4) -> dict[str, Any]:
+    """Straight run vs a run stopped mid-epoch (a stop asked for after update ``stop_at``)
+    then resumed from its last checkpoint (step 3 for the default stop)."""
     straight = build([StopAt(-1)], None)  # the same callbacks in every run: checkpoints hold them
     straight.train()
-    stopped = build([StopAt(4)], save_path)
+    stopped = build([StopAt(stop_at)], save_path)
     stopped.train()
     resumed = build([StopAt(-1)], save_path)
     steps = resumed.train()["steps"]

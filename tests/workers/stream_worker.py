@@ -161,6 +161,48 @@ def case_resume(out: Path) -> dict[str, Any]:
     return results
 
 
+def case_resume_after_end(out: Path) -> dict[str, Any]:
+    """A stateful stream whose rank-1 part (20 items, 7 batches) ends at update 4 of 9:
+    stopped after update 7, resumed from the checkpoint of update 6, where rank 1 has nothing
+    left but must still run fillers."""
+
+    def build(callbacks: list[Callback], save_path: Path | None) -> DistTrainer:
+        n = 40 if get_rank() == 1 else N_ITEMS  # against the rule, to force an early end
+        options = {"print_every": 1, "checkpoint_every": 3, "n_epochs": 1}
+        return stream_trainer(
+            StatefulStream(n), callbacks_all=callbacks, save_path=save_path, **options
+        )
+
+    return _resume_pair(build, out / "resume-after-end", stop_at=7)
+
+
+class EpochShuffled(Stream):
+    """The stream in an order drawn from the epoch set by ``set_epoch``."""
+
+    epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch))
+        for i in order.tolist():
+            yield self.data[i]
+
+
+def case_persistent() -> dict[str, Any]:
+    """set_epoch reaches persistent DataLoader workers: each epoch its own order, as with
+    workers started anew every epoch."""
+    results = {}
+    for persistent in (False, True):
+        ids = SampleIds()
+        stream_trainer(
+            EpochShuffled(), num_workers=2, persistent_workers=persistent, callbacks_all=[ids]
+        ).train()
+        results[str(persistent)] = ids.epochs
+    return results
+
+
 def case_restart(out: Path) -> dict[str, Any]:
     """A stream without state resumed mid-epoch restarts the epoch: every item again."""
     save_path = out / f"restart-{get_world_size()}"
@@ -192,9 +234,12 @@ def main(argv: list[str]) -> int:
         "sharded": case_sharded(),
         "resume": case_resume(out),
         "restart": case_restart(out),
+        "persistent": case_persistent(),
     }
     if get_world_size() > 1:
-        results.update(uneven=case_uneven(), empty=case_empty())
+        results.update(
+            uneven=case_uneven(), empty=case_empty(), resume_after_end=case_resume_after_end(out)
+        )
     write_json(out, results)
     return 0
 
