@@ -71,6 +71,11 @@ class Strategy:
     def after_step(self, step: int) -> None:
         """Called after optimizer update ``step`` (e.g. local SGD's parameter averaging)."""
 
+    def replicas(self, step: int) -> list[tuple[str, torch.Tensor]]:
+        """The named tensors every rank holds a copy of, which must be equal after update
+        ``step`` (``check_sync_every`` compares them)."""
+        return list(self.model.named_parameters())
+
     def broadcast_buffers(self) -> None:
         """Give every rank rank 0's buffers (batch-norm statistics) before evaluating."""
         with torch.no_grad():

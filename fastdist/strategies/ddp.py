@@ -137,6 +137,14 @@ class DDP(Strategy):
             group = self.group or dist.group.WORLD  # WORLD exists: DDP runs in a group
             average_parameters(self.model.parameters(), group)  # type: ignore[arg-type]
 
+    def replicas(self, step: int) -> list[tuple[str, torch.Tensor]]:
+        """The parameters, where they must agree: always, or under local SGD only during the
+        warm-up and right after an averaging."""
+        every = self.average_every
+        if self.local_sgd is not None and step > every and step % every:
+            return []
+        return super().replicas(step)
+
     def checkpoint_parts(self) -> list[tuple[str, Any, str]]:
         parts = super().checkpoint_parts()
         if not self.average_every:

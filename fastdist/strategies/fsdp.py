@@ -169,6 +169,10 @@ class FSDP(Strategy):
         switch_parameters(optimizer, old_names, model)
         return optimizer
 
+    def replicas(self, step: int) -> list[tuple[str, torch.Tensor]]:
+        """None when sharded: each parameter has one copy, split over the ranks."""
+        return [] if isinstance(self.model, FSDPModule) else super().replicas(step)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradients accumulate unreduced; the window's last micro-batch reduce-scatters them."""

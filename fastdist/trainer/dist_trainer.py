@@ -71,7 +71,9 @@ class DistTrainer:
             ``"skip"``: every update's all-reduced gradients are checked (one host read per
             update) and a non-finite update is skipped on every rank.
         check_sync_every: every N updates (and at the end) compare a checksum of the
-            parameters across ranks and raise on the first that differs; 0 turns it off.
+            parameters every rank holds a copy of across ranks and raise on the first that
+            differs; 0 turns it off. (Under local SGD they are compared where they agree; under
+            FSDP each parameter has one copy: there is nothing to compare.)
         checkpoint_every: write a checkpoint every N optimizer updates as well as at every
             epoch end (0: epoch ends only).
         checkpoint_dir: where checkpoints go; default ``<save_path>/checkpoints``; with

@@ -143,7 +143,9 @@ class Loop:
         self.progress.update()
         every = self.options.check_sync_every
         if every and state.global_step % every == 0:
-            check_in_sync(self.model, state.global_step, self.world.group)
+            check_in_sync(
+                self.strategy.replicas(state.global_step), state.global_step, self.world.group
+            )
         return True
 
     def _warn_skipped(self) -> None:
@@ -309,7 +311,9 @@ class Loop:
         self.sync(check_model=True)
         self.run.slow_ranks.summary()
         if self.options.check_sync_every:
-            check_in_sync(self.model, state.global_step, self.world.group)
+            check_in_sync(
+                self.strategy.replicas(state.global_step), state.global_step, self.world.group
+            )
         if self.options.load_best_model and state.best_eval is not None:
             self.run.validator.best.load(self.world.rank == 0)
             logger.info(

@@ -6,7 +6,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
 
 from fastdist.distributed import all_gather_object
 
@@ -23,11 +22,15 @@ def failing_ranks(failure: Any, group: Any) -> dict[int, Any]:
     return {rank: found for rank, found in enumerate(everyone) if found is not None}
 
 
-def check_in_sync(model: nn.Module, step: int, group: Any) -> None:
-    """Compare a checksum of every parameter across ranks; raise on the first that differs."""
-    sums = [float(p.detach().double().sum()) for p in model.parameters()]
+def check_in_sync(replicas: list[tuple[str, torch.Tensor]], step: int, group: Any) -> None:
+    """Compare a checksum of every replicated tensor (``(name, tensor)``, the same on every
+    rank: :meth:`~fastdist.strategies.Strategy.replicas`) across ranks; raise on the first
+    that differs. Nothing to compare (FSDP: one copy of each parameter): no collective."""
+    if not replicas:
+        return
+    sums = [float(t.detach().double().sum()) for _, t in replicas]
     everyone = all_gather_object(sums, group)
-    for i, (name, _) in enumerate(model.named_parameters()):
+    for i, (name, _) in enumerate(replicas):
         values = [rank_sums[i] for rank_sums in everyone]
         if len(set(values)) > 1:
             raise RuntimeError(
