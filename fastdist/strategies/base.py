@@ -31,6 +31,9 @@ class Strategy:
 
     #: Every rank must run equally many forwards (each forward is a collective).
     equal_forwards = False
+    #: The forward and backward wait for the other ranks (FSDP's all-gathers): a rank's
+    #: compute time then includes waiting for a slower one.
+    waits_in_compute = False
     #: Ranks step on their own gradients between synchronisations (local SGD): every rank
     #: does not see the same gradients, so they cannot all skip the same non-finite update.
     local_steps = False

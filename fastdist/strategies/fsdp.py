@@ -86,6 +86,7 @@ class FSDP(Strategy):
     """
 
     equal_forwards = True
+    waits_in_compute = True
 
     def __init__(
         self,

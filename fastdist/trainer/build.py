@@ -125,7 +125,9 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
         state=TrainerState(n_epochs=options.n_epochs),
         losses=losses,
         timer=timer,
-        slow_ranks=SlowRankReport(options.slow_rank_threshold, show=world.rank == 0),
+        slow_ranks=SlowRankReport(
+            options.slow_rank_threshold, world.rank == 0, not strategy.waits_in_compute
+        ),
         sigterm=sigterm,
         sync=Sync(losses, timer, model, raise_nonfinite, sigterm, world.board, device, world.group),
     )

@@ -51,8 +51,10 @@ from fastdist.logging import logger
 #: Figures per rank in the log-step all-reduce: data, compute, collective (seconds/update).
 FIELDS = 3
 #: A rank this much slower per update than the median or less is never reported, whatever the
-#: threshold: differences below a millisecond are scheduler noise on a shared machine.
-MIN_EXCESS_S = 0.001
+#: threshold: differences of a millisecond or two are scheduler noise on a shared machine.
+MIN_EXCESS_S = 0.002
+#: Log intervals in a row a rank must be slow in, for the same cause, before it is reported.
+SUSTAIN = 3
 
 
 @dataclass(frozen=True)
@@ -242,10 +244,15 @@ class Slow:
         )
 
 
-def find_slow(times: list[RankTime], threshold: float) -> list[Slow]:
-    """Ranks whose update time exceeds the median by more than ``threshold`` (and 1 ms).
+def find_slow(times: list[RankTime], threshold: float, judge_compute: bool = True) -> list[Slow]:
+    """Ranks whose update time exceeds the median by more than ``threshold`` (and
+    :data:`MIN_EXCESS_S`).
 
     The cause is the part (data loading or compute) that exceeds its own median the most.
+    Without ``judge_compute`` (a strategy whose forward and backward wait for the other ranks,
+    as FSDP's all-gathers do, so that a fast rank's compute absorbs a slow rank's time) only
+    data loading is judged: a rank whose data time exceeds the median data time by more than
+    ``threshold`` of the median update time.
 
     Example:
         >>> find_slow([RankTime(0, 0.001, 0.007, 0.03), RankTime(1, 0.031, 0.007, 0.0)], 0.1)
@@ -254,36 +261,45 @@ def find_slow(times: list[RankTime], threshold: float) -> list[Slow]:
     median = statistics.median(t.update for t in times)
     median_data = statistics.median(t.data for t in times)
     median_compute = statistics.median(t.compute for t in times)
+    margin = max(threshold * median, MIN_EXCESS_S)
     slow = []
     for t in times:
-        if t.update - median > max(threshold * median, MIN_EXCESS_S):
-            data_excess, compute_excess = t.data - median_data, t.compute - median_compute
-            cause, part = (
-                ("data loading", t.data)
-                if data_excess >= compute_excess
-                else ("compute", t.compute)
-            )
-            excess = t.update / median - 1 if median > 0 else math.inf
-            slow.append(Slow(t.rank, excess, cause, part, t.update))
+        data_excess, compute_excess = t.data - median_data, t.compute - median_compute
+        if judge_compute and t.update - median > margin:
+            by_data = data_excess >= compute_excess
+        elif not judge_compute and data_excess > margin:
+            by_data = True
+        else:
+            continue
+        cause, part = ("data loading", t.data) if by_data else ("compute", t.compute)
+        excess = t.update / median - 1 if median > 0 else math.inf
+        if not judge_compute:  # the update times are levelled: say how much of it is data
+            excess = data_excess / median if median > 0 else math.inf
+        slow.append(Slow(t.rank, excess, cause, part, t.update))
     return slow
 
 
 class SlowRankReport:
-    """Rank 0's WARNINGs about slow ranks: when one appears, when it changes, at the end.
+    """Rank 0's WARNINGs about slow ranks: when one is found, when that changes, at the end.
 
-    The first log interval (imports, allocator and loader warm-up) is recorded but not
-    judged. The end summary judges the mean over the judged intervals, weighted by updates.
+    One log interval proves nothing on a shared machine (another process, the scheduler): a
+    rank is reported once it was slow for the same cause in :data:`SUSTAIN` log intervals in
+    a row, and the end summary names the ranks that were slow in at least half of the judged
+    intervals and on average over them. The first interval (imports, allocator and loader
+    warm-up) is recorded but not judged.
 
     Args:
         threshold: report a rank whose update time exceeds the median by more than this
             fraction (0.1: 10%); 0 turns the report off.
         show: whether this process logs (rank 0).
+        judge_compute: whether compute times can tell a slow rank (see :func:`find_slow`).
     """
 
-    def __init__(self, threshold: float, show: bool) -> None:
-        self.threshold, self.show = threshold, show
+    def __init__(self, threshold: float, show: bool, judge_compute: bool = True) -> None:
+        self.threshold, self.show, self.judge_compute = threshold, show, judge_compute
         self.seen_first = False
         self.current: tuple[tuple[int, str], ...] = ()  # (rank, cause) of the last report
+        self.streaks: dict[tuple[int, str], int] = {}  # (rank, cause) -> intervals in a row
         self.totals: list[list[float]] = []  # per rank: data, compute, collective x updates
         self.updates = 0
         self.slow_intervals: dict[int, int] = {}  # rank -> judged intervals it was slow in
@@ -307,27 +323,35 @@ class SlowRankReport:
         self.updates += updates
         self.intervals += 1
         self.first_step = previous + 1 if self.first_step is None else self.first_step
-        slow = find_slow(times, self.threshold)
+        slow = find_slow(times, self.threshold, self.judge_compute)
+        now = {(s.rank, s.cause) for s in slow}
+        self.streaks = {key: self.streaks.get(key, 0) + 1 for key in now}
         for s in slow:
             self.slow_intervals[s.rank] = self.slow_intervals.get(s.rank, 0) + 1
-        key = tuple((s.rank, s.cause) for s in slow)
+        sustained = [s for s in slow if self.streaks[(s.rank, s.cause)] >= SUSTAIN]
+        key = tuple((s.rank, s.cause) for s in sustained)
         if key != self.current and self.show:
-            if slow:
-                logger.warning("%s (step %d)", "; ".join(s.describe() for s in slow), step)
+            if sustained:
+                logger.warning("%s (step %d)", "; ".join(s.describe() for s in sustained), step)
             else:
                 percent = 100 * self.threshold
                 logger.info("no rank is more than %.0f%% slower now (step %d)", percent, step)
         self.current = key
 
     def summary(self) -> None:
-        """Log the run's verdict: the slow ranks over all judged intervals, or none."""
+        """Log the run's verdict: the ranks slow on average over the judged intervals and in at
+        least half of them, or none."""
         if not (self.show and self.updates):
             return
         times = [
             RankTime(rank, *(value / self.updates for value in total))
             for rank, total in enumerate(self.totals)
         ]
-        slow = find_slow(times, self.threshold)
+        slow = [
+            s
+            for s in find_slow(times, self.threshold, self.judge_compute)
+            if 2 * self.slow_intervals.get(s.rank, 0) >= self.intervals
+        ]
         span = f"updates {self.first_step}-{self.last_step}"
         if slow:
             logger.warning(

@@ -12,9 +12,12 @@ all-reduces. Case ``profile``: ``ProfilerCallback`` in ``callbacks_all`` writes 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from trainer_worker import BATCH, CommCounter, make_trainer
 
 from fastdist.callbacks import ProfilerCallback
 from fastdist.distributed import get_rank, get_world_size
+from fastdist.logging import logger
 
 SLEEP_S = 0.03
 UPDATES, PRINT_EVERY = 12, 2
@@ -44,13 +48,52 @@ def case_slow(out: Path) -> dict[str, Any]:
         save_path=str(out / "slow"),
         callbacks_all=[counter],
     )
-    with counter.counting_all_reduce():
+    with counter.counting_all_reduce(), warnings_logged() as lines:
         result = trainer.train()
     return {
+        "warnings": lines,
         "steps": result["steps"],
         "other_all_reduces": counter.other_all_reduces,
         "rank_times": trainer.state.rank_times,
     }
+
+
+def case_fsdp(out: Path) -> dict[str, Any]:
+    """Under FSDP (every forward waits for the other rank): rank 1's slow collate, then a
+    healthy run; the slow-rank WARNINGs rank 0 logs in each."""
+    results = {}
+    for name, collate in (("slow", slow_on_rank_1), ("healthy", None)):
+        trainer = make_trainer(
+            UPDATES * BATCH * get_world_size(),
+            collate_fn=collate,
+            print_every=PRINT_EVERY,
+            strategy="fsdp",
+        )
+        with warnings_logged() as lines:
+            trainer.train()
+        results[name] = lines
+    return results
+
+
+def case_healthy() -> list[str]:
+    """A DDP run with nothing slow: the slow-rank WARNINGs rank 0 logs (none expected)."""
+    trainer = make_trainer(4 * UPDATES * BATCH * get_world_size(), print_every=PRINT_EVERY)
+    with warnings_logged() as lines:
+        trainer.train()
+    return lines
+
+
+@contextlib.contextmanager
+def warnings_logged() -> Iterator[list[str]]:
+    """The WARNING lines of fastdist's logger while the block runs."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
 
 
 def case_profile(out: Path) -> dict[str, Any]:
@@ -63,6 +106,8 @@ def case_profile(out: Path) -> dict[str, Any]:
 def main() -> None:
     out = Path(sys.argv[1])
     results = {"slow": case_slow(out), "profile": case_profile(out)}
+    if get_world_size() > 1:
+        results.update(fsdp=case_fsdp(out), healthy=case_healthy())
     (out / f"rank{get_rank()}.json").write_text(json.dumps(results))
 
 
