@@ -127,7 +127,14 @@ def case_uneven() -> dict[str, Any]:
         trainer = stream_trainer(Stream(n), callbacks_all=[ids], n_epochs=1, strategy=strategy)
         steps = trainer.train()["steps"]
         final = flat_params(trainer.model) if strategy == "ddp" else None  # FSDP: shards
-        results[strategy] = {"ids": ids.epochs, "steps": steps, "final": final}
+        full = trainer.strategy.full_state_dict()  # rank 0: the whole model, else None
+        whole = None if full is None else torch.cat([t.flatten() for t in full.values()])
+        results[strategy] = {
+            "ids": ids.epochs,
+            "steps": steps,
+            "final": final,
+            "whole": None if whole is None else whole.tolist(),
+        }
     return results
 
 
