@@ -154,6 +154,14 @@ def new_gloo_group(timeout: float | None) -> Any:
     return dist.new_group(backend="gloo", timeout=seconds)
 
 
+def destroy_groups(groups: Iterable[Any]) -> None:
+    """Tear down process groups this process created (never the default one): their sockets
+    and threads. Local, no collective; ``None`` entries (no group) are skipped."""
+    for group in groups:
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
+
+
 def start_all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> Callable[[], torch.Tensor]:
     """Start summing ``tensor`` over all ranks in place; the returned function waits for the
     sum and returns ``tensor`` (internal, one collective)."""

@@ -27,6 +27,7 @@ class Strategy:
         model: the user's module, on its device.
         module: what the training forward runs through (a wrapper, or ``model``).
         optimizer: the optimizer stepping ``model``'s parameters.
+        own_groups: process groups the strategy created (torn down with the trainer).
     """
 
     #: Every rank must run equally many forwards (each forward is a collective).
@@ -60,6 +61,7 @@ class Strategy:
         optimizer to use (a strategy that replaces the parameters repoints it)."""
         self.model = self.module = model
         self.optimizer, self.device, self.group = optimizer, device, group
+        self.own_groups: list[Any] = []  # process groups this strategy created
         return optimizer
 
     @property

@@ -119,6 +119,7 @@ class DDP(Strategy):
         elif self.average_every:
             # Each rank its own subgroup: after the warm-up no gradient is all-reduced at all.
             subgroup, _ = dist.new_subgroups(group_size=1)
+            self.own_groups.append(subgroup)
             self.local_sgd = post_localSGD_hook.PostLocalSGDState(
                 process_group=group, subgroup=subgroup, start_localSGD_iter=self.average_every
             )

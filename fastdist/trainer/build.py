@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from fastdist.data.protocol import Batches
 from fastdist.data.workers import warn_if_fork_may_hang, worker_context
 from fastdist.distributed import (
     backend_for,
+    destroy_groups,
     get_rank,
     get_world_size,
     init_distributed,
@@ -100,7 +102,8 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
     strategy = options.strategy
     optimizer = strategy.setup(model, args.optimizer, device, world.group, options.amp)
     timer = RankTimer(device, world.rank, world.size)
-    data = _batches(args, world, timer)
+    stream_group = new_gloo_group(options.timeout) if args.stream else None
+    data = _batches(args, world, timer, stream_group)
     if not data.plans_uneven:  # a user's sampler: its shards must be equal
         check_even_shards(len(data.loader), world.group)
     if is_multi_node():
@@ -132,6 +135,9 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
         sync=Sync(losses, timer, model, raise_nonfinite, sigterm, world.board, device, world.group),
     )
     _register_parts(run)
+    # The groups this trainer created go with it (each holds sockets and threads).
+    owned = [world.group, stream_group, *strategy.own_groups]
+    weakref.finalize(run, destroy_groups, owned)
     return run
 
 
@@ -156,8 +162,9 @@ def _form_world(options: TrainerOptions, device: torch.device) -> World:
     return World(device, rank, size, group, PositionBoard(rank, size))
 
 
-def _batches(args: Arguments, world: World, timer: RankTimer) -> Batches:
-    """This rank's training batches: a stream's, or a map-style dataset's."""
+def _batches(args: Arguments, world: World, timer: RankTimer, stream_group: Any) -> Batches:
+    """This rank's training batches: a stream's (agreeing on ``stream_group``), or a
+    map-style dataset's."""
     options = args.options
     workers = options.num_workers
     warn_if_fork_may_hang(options.multiprocessing_context, workers, world.size)
@@ -181,7 +188,7 @@ def _batches(args: Arguments, world: World, timer: RankTimer) -> Batches:
             world.rank,
             world.size,
             options.update_every,
-            new_gloo_group(options.timeout),
+            stream_group,
             timer.collective_in_next,
             **loader_options,
         )

@@ -13,6 +13,7 @@ tests/test_callbacks.py share.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -27,7 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from fastdist import AccuracyMetric, Callback, CrossEntropyLoss, DistTrainer, Metric
+from fastdist import DDP, AccuracyMetric, Callback, CrossEntropyLoss, DistTrainer, Metric
 from fastdist.callbacks import EarlyStopCallback, FitlogCallback
 from fastdist.distributed import get_rank, get_world_size
 
@@ -494,6 +495,29 @@ def case_fitlog(out: Path) -> dict[str, Any]:
     return {"losses": losses, "evals": evals, "test": test_result}
 
 
+class Numbers(torch.utils.data.IterableDataset):
+    """A stream of the first ``n`` samples of ``ToyData(n)``."""
+
+    def __init__(self, n: int) -> None:
+        self.data = ToyData(n)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (self.data[i] for i in range(len(self.data)))
+
+
+def case_groups(out: Path) -> dict[str, Any]:
+    """Open file descriptors after each of 4 trainers (a timeout group of their own, a stream
+    agreeing on a gloo group of its own, local SGD's subgroup) is trained and dropped."""
+    counts = []
+    for _ in range(4):
+        trainer = make_trainer(Numbers(32), timeout=60, strategy=DDP(average_every=1))
+        trainer.train()
+        del trainer
+        gc.collect()
+        counts.append(len(os.listdir("/proc/self/fd")))
+    return {"fds": counts}
+
+
 CASES: dict[str, Callable[[Path], dict[str, Any]]] = {
     "equivalence": case_equivalence,
     "comm": case_comm,
@@ -503,6 +527,7 @@ CASES: dict[str, Callable[[Path], dict[str, Any]]] = {
     "stop": case_stop,
     "best": case_best,
     "fitlog": case_fitlog,
+    "groups": case_groups,
 }
 
 
