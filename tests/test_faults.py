@@ -8,6 +8,7 @@ report (which rank, where).
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -65,6 +66,19 @@ def test_timeout_reports_every_ranks_position(tmp_path: Path) -> None:
     # rank 1 sleeps in on_step_end of update 2, after the sync it published
     assert "rank 1: epoch 1, step 2, phase sync (published" in output
     assert "ranks not at this rank's position: [1]" in output
+
+
+@pytest.mark.slow
+def test_a_rank_busy_when_its_peer_dies_exits_on_sigterm(tmp_path: Path) -> None:
+    """Rank 1 dies while rank 0 is busy for 60 s away from any collective. torchrun sends
+    rank 0 SIGTERM; no sync point comes to agree on it, so rank 0 exits 20 s later with 143
+    and says why (it ignored the signal and torchrun killed it 30 s later)."""
+    result, seconds = _launch("peer_dies", tmp_path)
+    assert result.returncode != 0
+    assert "[rank 0] SIGTERM received 20 s ago and the ranks have not agreed" in result.output
+    assert re.search(r"exitcode\s*:\s*143\b", result.output), result.describe()
+    assert "SIGKILL" not in result.output, result.describe()
+    assert seconds < 50, result.describe()
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ from fastdist.callbacks.callback import Callback
 from fastdist.evaluation.predict import predict as run_predict
 from fastdist.strategies import Strategy
 from fastdist.trainer.build import build
-from fastdist.trainer.loop import PREEMPTED_EXIT_CODE, Loop
+from fastdist.trainer.loop import Loop
+from fastdist.trainer.preemption import SIGTERM_EXIT_CODE
 
 
 class DistTrainer:
@@ -115,7 +116,7 @@ class DistTrainer:
     """
 
     #: Exit code after a pre-emption (SIGTERM): 128 + 15, as if killed by the signal.
-    PREEMPTED_EXIT_CODE = PREEMPTED_EXIT_CODE
+    PREEMPTED_EXIT_CODE = SIGTERM_EXIT_CODE
 
     def __init__(
         self,
@@ -191,7 +192,8 @@ class DistTrainer:
             updates), ``seconds`` (rank 0's wall time).
 
         On SIGTERM every rank finishes its current update, the ranks agree at the next log
-        step, rank 0 writes a checkpoint and every rank exits with code 143.
+        step, rank 0 writes a checkpoint and every rank exits with code 143. A rank that has
+        not agreed 20 s after the signal (a peer died) exits with 143 on its own.
         """
         return self._loop.fit(resume)
 

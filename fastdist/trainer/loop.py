@@ -19,12 +19,11 @@ from fastdist.distributed import broadcast_object
 from fastdist.logging import logger
 from fastdist.trainer.build import Run
 from fastdist.trainer.failure import report_failure
+from fastdist.trainer.preemption import SIGTERM_EXIT_CODE
 from fastdist.trainer.progress import Progress
 from fastdist.trainer.safety import all_finite, check_in_sync, failing_ranks
 from fastdist.trainer.sync import Agreement
 
-#: Exit code after a pre-emption (SIGTERM): 128 + 15, as if killed by the signal.
-PREEMPTED_EXIT_CODE = 143
 #: The agreement before any sync point: nothing agreed, nothing to stop.
 NOTHING = Agreement(stop_requested=False, preempted=False, loss=None, rank_times=None)
 
@@ -177,6 +176,8 @@ class Loop:
                 lr = self.run.optimizer.param_groups[0]["lr"]
                 self.progress.log(state.epoch, state.global_step, state.total_steps, state.loss, lr)
         state.stop_requested = agreed.stop_requested
+        if agreed.preempted:
+            self.run.sigterm.settle()  # every rank is here: the checkpoint may take its time
         if agreed.stop:
             why = "SIGTERM received" if agreed.preempted else "stop requested"
             logger.info("%s; stopping at step %d", why, state.global_step)
@@ -226,7 +227,7 @@ class Loop:
             if agreed.preempted:
                 self._save_checkpoint()
                 logger.warning("pre-empted: checkpoint written at step %d", state.global_step)
-                raise SystemExit(PREEMPTED_EXIT_CODE)
+                raise SystemExit(SIGTERM_EXIT_CODE)
             self._end()
         except Exception as exc:
             report_failure(exc, self.where(), options.timeout)

@@ -7,6 +7,7 @@ results (when a rank survives) go to ``OUT_DIR/rank<r>.json``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -82,6 +83,13 @@ def _sleep_on_rank_1(trainer: DistTrainer) -> None:
         time.sleep(4 * TIMEOUT)
 
 
+def _rank_1_dies_rank_0_busy(trainer: DistTrainer) -> None:
+    """Rank 1 dies; rank 0 is busy far from any collective (a long evaluation, say)."""
+    if get_rank() == 1:
+        os._exit(1)
+    time.sleep(60)
+
+
 def main(case: str, out: Path) -> None:
     fastdist.set_seed(0)
     if case.startswith("rzf"):
@@ -107,6 +115,8 @@ def main(case: str, out: Path) -> None:
         callbacks_master.append(AtStep(2, _edit_weight))
     if case == "timeout":
         callbacks_all.append(AtStep(2, _sleep_on_rank_1))
+    if case == "peer_dies":
+        callbacks_all.append(AtStep(2, _rank_1_dies_rank_0_busy))
     if case == "inf_weight":  # after the last update (8): caught by the check at the end
         callbacks_all.append(AtStep(8, _poison_weight))
     trainer = DistTrainer(
