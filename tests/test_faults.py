@@ -58,6 +58,18 @@ def test_exception_on_one_rank_stops_all_with_one_tagged_traceback(tmp_path: Pat
 
 
 @pytest.mark.slow
+def test_a_caught_error_and_sys_exit_does_not_hang_the_job(tmp_path: Path) -> None:
+    """Rank 1's script catches the training error and calls sys.exit(3), with torch's default
+    30-minute timeout: its exit does not wait at a barrier for rank 0, which is waiting for it
+    in the gradient all-reduce (both waited until the timeout)."""
+    result, seconds = _launch("raise_caught", tmp_path)
+    assert result.returncode != 0
+    assert "[rank 1] rank 1 raised ValueError: boom in forward on purpose" in result.output
+    assert re.search(r"exitcode\s*:\s*3\b", result.output), result.describe()
+    assert seconds < 40, result.describe()
+
+
+@pytest.mark.slow
 def test_timeout_reports_every_ranks_position(tmp_path: Path) -> None:
     output = _failed("timeout", tmp_path)
     assert "a collective failed on rank 0 (waits are bounded by 8 s" in output

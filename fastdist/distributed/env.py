@@ -243,12 +243,22 @@ def _destroy_if_initialized() -> None:
     # interpreter finalization aborts the process ("terminate called without an active
     # exception") now and then.
     gc.collect()
-    if getattr(sys, "last_value", None) is None:
+    if getattr(sys, "last_value", None) is None and not _failures:
         # On a clean exit, wait for the peers first: destroying a gloo group while a peer is
-        # still tearing down its own also aborts now and then. After an uncaught exception
-        # there is no waiting (the peers may be gone): just release the group.
+        # still tearing down its own also aborts now and then. After an uncaught exception,
+        # or a failure this process reported (a script may catch it and sys.exit), there is
+        # no waiting (the peers may be gone, or waiting elsewhere): just release the group.
         dist.barrier()
     dist.destroy_process_group()
+
+
+_failures: list[BaseException] = []
+
+
+def note_failure(exc: BaseException) -> None:
+    """Record that this process failed inside a collective job: at exit it does not wait at
+    a barrier for peers that may never come."""
+    _failures.append(exc)
 
 
 def ensure_group() -> bool:

@@ -7,6 +7,7 @@ import types
 
 import torch.distributed as dist
 
+from fastdist.distributed.env import note_failure
 from fastdist.distributed.position import PositionBoard
 from fastdist.logging import logger
 
@@ -28,6 +29,7 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
     failed (a peer died, or the timeout expired) logs the collective error and the positions,
     which usually name the rank that is elsewhere.
     """
+    note_failure(exc)
     summary = f"{type(exc).__name__}: {exc}".strip()
     board.publish(failed=summary[:300])
     if is_collective_failure(exc):

@@ -36,7 +36,7 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.training and get_rank() == 1 and self.calls == 3:
-            if self.fault == "raise_forward":
+            if self.fault in ("raise_forward", "raise_caught"):
                 raise ValueError("boom in forward on purpose")
             if self.fault.startswith("nan"):
                 return self.linear(x) * float("nan")
@@ -130,11 +130,16 @@ def main(case: str, out: Path) -> None:
         n_epochs=1,
         print_every=4 if case == "nan_raise" else 1,  # the NaN at update 3 is read at 4
         use_tqdm=False,
-        timeout=TIMEOUT,
+        timeout=None if case == "raise_caught" else TIMEOUT,  # torch's 30 minutes
         on_nonfinite="skip" if case == "nan_skip" else "raise",
         check_sync_every=1 if case in ("master_edit_weight", "nan_skip") else 0,
         sampler=FirstRanksLonger(get_rank()) if case == "uneven" else None,
     )
+    if case == "raise_caught":  # the script catches rank 1's error and exits on its own
+        try:
+            trainer.train()
+        except ValueError:
+            sys.exit(3)
     result = trainer.train()
     record = dict(result, skipped=trainer.state.skipped_steps)
     (out / f"rank{get_rank()}.json").write_text(json.dumps(record))
