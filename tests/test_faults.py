@@ -94,6 +94,15 @@ def test_a_rank_busy_when_its_peer_dies_exits_on_sigterm(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+def test_the_report_says_where_a_dead_rank_was_a_second_before(tmp_path: Path) -> None:
+    """Rank 1 dies in update 4 (updates of 1.1 s, no sync point since the start): rank 0's
+    report places it after update 3 (it said step 0, its last phase change)."""
+    output = _failed("dies_mid_run", tmp_path)
+    assert "a collective failed on rank 0" in output, output
+    assert re.search(r"rank 1: epoch 1, step 3, phase train \(published [01] s ago\)", output)
+
+
+@pytest.mark.slow
 def test_rank_zero_first_error_stops_the_waiting_ranks(tmp_path: Path) -> None:
     result, seconds = _launch("rzf_raise", tmp_path)
     assert result.returncode != 0

@@ -1,20 +1,25 @@
 """Where every rank is, so a failed or timed-out collective can say who is where.
 
 Each rank keeps its position locally (cheap attribute updates) and publishes it to the
-rendezvous store when it moves between phases (epoch start, evaluation, a sync point), never
-per micro-batch. When something fails, every surviving rank publishes its final position and
-reads the others' last published ones to write one readable report.
+rendezvous store when it moves between phases (epoch start, evaluation, a sync point), and
+after an update at most once a second (:meth:`PositionBoard.update`), never per micro-batch:
+a rank that dies is reported where it was at most a second before. When something fails,
+every surviving rank publishes its final position and reads the others' last published ones to
+write one readable report.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
 import torch.distributed as dist
 
 _KEY = "fastdist/position/{}"
+#: Seconds between publications of a rank's position after its updates.
+UPDATE_EVERY_S = 1.0
 
 
 def _default_store() -> Any:
@@ -31,10 +36,17 @@ class PositionBoard:
         self.world_size = world_size
         self.store = _default_store() if world_size > 1 and dist.is_initialized() else None
         self.fields: dict[str, Any] = {}
+        self._published = -math.inf  # when this rank last published (monotonic)
 
     def move(self, **fields: Any) -> None:
         """Update this rank's position locally (no communication)."""
         self.fields.update(fields)
+
+    def update(self, **fields: Any) -> None:
+        """Update this rank's position; publish it if the last publication is a second old."""
+        self.fields.update(fields)
+        if self.store is not None and time.monotonic() - self._published >= UPDATE_EVERY_S:
+            self.publish()
 
     def publish(self, **fields: Any) -> None:
         """Update this rank's position and write it to the store for the other ranks."""
@@ -42,6 +54,7 @@ class PositionBoard:
         if self.store is not None:
             record = dict(self.fields, time=time.time())
             self.store.set(_KEY.format(self.rank), json.dumps(record))
+            self._published = time.monotonic()
 
     def describe(self, fields: dict[str, Any]) -> str:
         """``epoch 1, step 3, phase train, in Printer.on_step_end`` from a position record."""

@@ -137,6 +137,7 @@ class Loop:
             state.skipped_steps += 1
             return False
         state.global_step += 1
+        self.world.board.update(step=state.global_step, phase="train")  # a second old at most
         state.samples_in_epoch, state.batches_in_epoch = self.data.position(state.batch_idx + 1)
         self.strategy.after_step(state.global_step)  # e.g. local SGD's averaging
         self.progress.update()

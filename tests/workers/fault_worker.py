@@ -90,6 +90,18 @@ def _rank_1_dies_rank_0_busy(trainer: DistTrainer) -> None:
     time.sleep(60)
 
 
+class SlowUpdatesRank1DiesInUpdate4(Callback):
+    """Updates of 1.1 s (longer than a position's publishing interval); rank 1 dies in the
+    middle of update 4, far from any sync point."""
+
+    def on_step_end(self) -> None:
+        time.sleep(1.1)
+
+    def on_batch_begin(self, batch: object) -> None:
+        if get_rank() == 1 and self.trainer.state.global_step == 3:
+            os._exit(1)
+
+
 def main(case: str, out: Path) -> None:
     fastdist.set_seed(0)
     if case.startswith("rzf"):
@@ -115,6 +127,8 @@ def main(case: str, out: Path) -> None:
         callbacks_master.append(AtStep(2, _edit_weight))
     if case == "timeout":
         callbacks_all.append(AtStep(2, _sleep_on_rank_1))
+    if case == "dies_mid_run":
+        callbacks_all.append(SlowUpdatesRank1DiesInUpdate4())
     if case == "peer_dies":
         callbacks_all.append(AtStep(2, _rank_1_dies_rank_0_busy))
     if case == "inf_weight":  # after the last update (8): caught by the check at the end
@@ -128,7 +142,8 @@ def main(case: str, out: Path) -> None:
         callbacks_master=callbacks_master,
         batch_size_per_gpu=4,
         n_epochs=1,
-        print_every=4 if case == "nan_raise" else 1,  # the NaN at update 3 is read at 4
+        # nan_raise: the NaN at update 3 is read at 4; dies_mid_run: no sync point near
+        print_every={"nan_raise": 4, "dies_mid_run": 10}.get(case, 1),
         use_tqdm=False,
         timeout=None if case == "raise_caught" else TIMEOUT,  # torch's 30 minutes
         on_nonfinite="skip" if case == "nan_skip" else "raise",
