@@ -1,8 +1,9 @@
 """Devices and process-group formation on any machine: one GPU per process or a clear error,
 CPU tests pinned to the CPU, and a group that cannot form fails within the timeout.
 
-The GPU checks run here on CPU through their pure parts (``gpu_shortage`` and
-``resolve_device(gpu_count=...)``); tests/test_gpu.py runs them on real GPUs.
+The GPU checks run here on CPU through their pure parts (``gpu_shortage``,
+``resolve_device(gpu_count=...)``, ``agreed_backend``); tests/test_gpu.py and
+tests/test_gpu_multi.py run them on real GPUs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from launch import GPU_ENV, free_port, run_python
 
 import fastdist
-from fastdist.distributed.env import gpu_shortage
+from fastdist.distributed.env import agreed_backend, gpu_shortage
 from fastdist.trainer.arguments import resolve_device
 
 
@@ -36,21 +37,38 @@ def test_gpu_shortage_names_the_counts_and_the_fixes() -> None:
 
 
 @pytest.mark.parametrize("local_rank", ["0", "1"])
-def test_auto_device_refuses_more_local_ranks_than_gpus(
+def test_auto_device_takes_the_local_ranks_gpu_or_the_one_it_sees(
     local_rank: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LOCAL_RANK", local_rank)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     for device in ("auto", None, "cuda"):
-        with pytest.raises(ValueError, match=r"device=.*LOCAL_WORLD_SIZE=2 .* 1 visible GPU"):
-            resolve_device(device, gpu_count=1)
-    assert resolve_device("auto", gpu_count=2) == torch.device("cuda", int(local_rank))
+        # One visible GPU: a scheduler's own GPU per process, or one shared (refused when the
+        # group forms, see below).
+        assert resolve_device(device, gpu_count=1) == torch.device("cuda", 0)
+        assert resolve_device(device, gpu_count=2) == torch.device("cuda", int(local_rank))
     assert resolve_device("cuda:0", gpu_count=1) == torch.device("cuda", 0)  # shared on purpose
     assert resolve_device("auto", gpu_count=0) == torch.device("cpu")
     with pytest.raises(ValueError, match=r"device='cuda:1' but 1 GPU\(s\) are visible"):
         resolve_device("cuda:1", gpu_count=1)
     with pytest.raises(ValueError, match="CUDA is not available here: use device='cpu'"):
         resolve_device("cuda", gpu_count=0)
+
+
+def test_the_backend_is_agreed_from_every_ranks_gpu() -> None:
+    """nccl only when every rank has a GPU of its own: f"cuda:{LOCAL_RANK}" (was gloo), or one
+    visible GPU per process set by a scheduler (was refused); sharing one is gloo, or refused
+    where each process asked for its own (device="auto")."""
+    own = ["node1/GPU-a", "node1/GPU-b"]
+    if torch.distributed.is_nccl_available():
+        assert agreed_backend(own, exclusive=True) == "nccl"
+        assert agreed_backend(["node1/GPU-a", "node2/GPU-a"], exclusive=True) == "nccl"
+    shared = ["node1/GPU-a", "node1/GPU-a"]
+    assert agreed_backend(shared, exclusive=False) == "gloo"
+    with pytest.raises(ValueError, match=r"ranks \[\[0, 1\]\] see the same GPU.*device='cuda:0'"):
+        agreed_backend(shared, exclusive=True)
+    assert agreed_backend(["", ""], exclusive=True) == "gloo"  # CPU
+    assert agreed_backend(["node1/GPU-a", ""], exclusive=False) == "gloo"  # mixed
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ world size 1, and 2 ranks on 2 GPUs over nccl; skipped, with the reason, without
 
 Each world is launched once per module (tests/workers/gpu_worker.py runs its cases in one
 process group) with CUDA visible, unlike the CPU tests' launches. Not yet run on a GPU: written
-from the code (fastdist/distributed/env.py's ``backend_for``, ``resolve_device``) in a session
+from the code (fastdist/distributed/env.py's ``agreed_backend``, ``resolve_device``) in a session
 that had no GPU, where all of them are skipped.
 """
 
@@ -51,6 +51,10 @@ WORLDS = {
     "nccl-2": Spec(True, 2, "auto", "train,resume", GPU_ENV),
     # Two ranks told to share cuda:0 while 2 GPUs are visible: gloo too.
     "shared-2-of-2": Spec(True, 2, "cuda:0", "train", GPU_ENV),
+    # The spelling most DDP scripts use, f"cuda:{LOCAL_RANK}": each its own GPU, nccl.
+    "local-rank-2": Spec(True, 2, "cuda:LOCAL_RANK", "train", GPU_ENV),
+    # A scheduler shows each process only its own GPU: device="auto" is cuda:0 there, nccl.
+    "own-gpu-2": Spec(True, 2, "auto-own-gpu", "train", GPU_ENV),
 }
 
 
@@ -143,11 +147,11 @@ def test_two_ranks_sharing_one_gpu_resume_bit_exact(launch: Callable[[str], Worl
 
 @pytest.mark.gpu
 def test_nccl_at_world_size_one(launch: Callable[[str], World]) -> None:
-    """torchrun --nproc-per-node=1 on one GPU: backend_for picks nccl and the group is nccl;
+    """torchrun --nproc-per-node=1 on one GPU: the agreed backend is nccl;
     a CUDA all-reduce runs over it and the trainer trains as one plain process does."""
     world = launch("nccl-1")
     (nccl,) = world.case("nccl")
-    assert nccl["backend_for"] == nccl["group_backend"] == "nccl"
+    assert nccl["group_backend"] == "nccl"
     assert nccl["default_backend"] == "cpu:gloo,cuda:nccl"
     assert nccl["all_reduce"] == [1.0, 1.0, 1.0] and nccl["current_device"] == 0
     (runs,) = world.case("train")
@@ -180,3 +184,19 @@ def test_two_ranks_share_cuda0_while_two_gpus_are_visible(
     for runs in world.case("train"):
         assert {runs[run]["group_backend"] for run in RUNS} == {"gloo"}
     check_trained_alike(world, launch("cuda-1"), ["cuda:0", "cuda:0"])
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.parametrize(
+    "name, devices", [("local-rank-2", ["cuda:0", "cuda:1"]), ("own-gpu-2", ["cuda:0", "cuda:0"])]
+)
+def test_a_gpu_of_each_ranks_own_gets_nccl(
+    name: str, devices: list[str], launch: Callable[[str], World]
+) -> None:
+    """device=f"cuda:{LOCAL_RANK}" (was gloo), and one visible GPU per process (was refused):
+    every rank has a GPU of its own, so the ranks agree on nccl."""
+    world = launch(name)
+    for rank, runs in enumerate(world.case("train")):
+        assert {runs[run]["group_backend"] for run in RUNS} == {"nccl"}
+        assert {runs[run]["device"] for run in RUNS} == {devices[rank]}
+    check_trained_alike(world, launch("cuda-1"), devices)

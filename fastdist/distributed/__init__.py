@@ -13,7 +13,7 @@ from fastdist.distributed.collectives import (
     rank_zero_only,
 )
 from fastdist.distributed.env import (
-    backend_for,
+    agreed_backend,
     default_backend,
     get_local_rank,
     get_node_rank,
@@ -28,7 +28,7 @@ from fastdist.distributed.env import (
 __all__ = [
     "all_gather_object",
     "all_reduce_sum",
-    "backend_for",
+    "agreed_backend",
     "barrier",
     "broadcast_object",
     "broadcast_tensors",

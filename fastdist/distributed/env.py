@@ -10,7 +10,9 @@ import atexit
 import datetime
 import gc
 import os
+import socket
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -133,17 +135,31 @@ def default_backend() -> str:
     return "gloo"
 
 
-def backend_for(device: torch.device, pinned: bool = False) -> str:
-    """The trainer's backend: nccl for CUDA when every process of the node has a GPU of its own,
-    else gloo (CPU tensors, or CUDA tensors of ranks sharing a GPU, which nccl refuses).
+def gpu_identity(device: torch.device) -> str:
+    """The physical GPU behind ``device``: its host and UUID, the same in every process that
+    uses it, whatever ``CUDA_VISIBLE_DEVICES`` numbers it there."""
+    return f"{socket.gethostname()}/{torch.cuda.get_device_properties(device).uuid}"
 
-    ``pinned``: the script named the GPU (``"cuda:0"``); every rank of the node names the same
-    one, so with several processes on the node they share it. (A rank cannot tell that from
-    ``f"cuda:{local_rank}"`` without asking the others; both get gloo, alike on every rank.)
+
+def agreed_backend(gpus: list[str], exclusive: bool) -> str:
+    """The trainer's backend from every rank's :func:`gpu_identity` (``""``: the CPU): nccl when
+    every rank has a GPU of its own, else gloo (the CPU, or GPUs shared between ranks, which
+    nccl refuses). The same answer on every rank, which sees the same list.
+
+    Raises:
+        ValueError: ``exclusive`` (``device="auto"``) and ranks share a GPU.
     """
-    shared = pinned and get_local_world_size() > 1
-    cuda = device.type == "cuda" and dist.is_nccl_available()
-    return "nccl" if cuda and not shared and node_gpu_shortage() is None else "gloo"
+    shared = sorted({gpu for gpu in gpus if gpu and gpus.count(gpu) > 1})
+    if shared and exclusive:
+        ranks = [[r for r, gpu in enumerate(gpus) if gpu == one] for one in shared]
+        raise ValueError(
+            f"device='auto' gives every process a GPU of its own, but ranks {ranks} see the "
+            "same GPU: start fewer processes per node (torchrun --nproc-per-node=<GPUs>), make "
+            "more GPUs visible (CUDA_VISIBLE_DEVICES), pass device='cuda:0' to share it (over "
+            "gloo), or train on the CPU (device='cpu')"
+        )
+    cuda = all(gpus) and dist.is_nccl_available()
+    return "nccl" if cuda and not shared else "gloo"
 
 
 def init_distributed(
@@ -152,6 +168,8 @@ def init_distributed(
     rank: int | None = None,
     world_size: int | None = None,
     timeout: float | None = None,
+    device: torch.device | None = None,
+    exclusive: bool = False,
 ) -> bool:
     """Start the default process group unless one exists; return whether a group is running.
 
@@ -166,6 +184,10 @@ def init_distributed(
         rank: global rank of this process; default from ``RANK``.
         world_size: number of processes; default from ``WORLD_SIZE``.
         timeout: seconds a collective may wait before it fails; default torch's.
+        device: this rank's device, to choose the backend by (when ``backend`` is ``None``):
+            the ranks tell each other their GPUs through the rendezvous store, and get nccl if
+            each has one of its own, else gloo (see :func:`agreed_backend`).
+        exclusive: with ``device``, refuse GPUs shared between ranks.
 
     Example:
         >>> fastdist.init_distributed(init_method="tcp://127.0.0.1:29500", rank=0, world_size=2)
@@ -179,8 +201,9 @@ def init_distributed(
                 "(tcp://host:port or file:///path) when not launched by torchrun"
             )
         return False
-    backend = backend or default_backend()
-    if "nccl" in backend:
+    if backend is None and device is None:
+        backend = default_backend()
+    if backend is not None and "nccl" in backend:
         shortage = node_gpu_shortage()
         if shortage is not None:
             raise ValueError(f"backend={backend!r}: {shortage}")
@@ -188,7 +211,9 @@ def init_distributed(
     url = init_method or "env://"
     limit = None if timeout is None else datetime.timedelta(seconds=timeout)
     try:
-        _form_group(backend, url, rank, world_size, limit)
+        _form_group(backend, url, rank, world_size, limit, device, exclusive)
+    except ValueError:  # the ranks' GPUs do not suit the device asked for: said alike on all
+        raise
     except Exception as exc:  # any failure: say where, and how long it waited
         if url == "env://":
             url += f" at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -210,14 +235,17 @@ def _restart_count() -> int:
 
 
 def _form_group(
-    backend: str,
+    backend: str | None,
     url: str,
     rank: int | None,
     world_size: int | None,
     timeout: datetime.timedelta | None,
+    device: torch.device | None,
+    exclusive: bool,
 ) -> None:
     """``init_process_group`` on torch's own rendezvous store for ``url`` under a prefix of
-    the torchrun restart; ``timeout`` (default torch's) bounds every wait, collectives too."""
+    the torchrun restart; ``timeout`` (default torch's) bounds every wait, collectives too.
+    Without ``backend``, the ranks first tell each other their GPUs through the store."""
     limit = timeout or default_pg_timeout
     store, rank, world_size = next(
         dist.rendezvous(
@@ -232,7 +260,21 @@ def _form_group(
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): without the prefix a restarted group can read the
     # dead workers' gloo addresses ("connectFullMesh ... Connection refused", or a hang).
     store = dist.PrefixStore(f"fastdist/restart{_restart_count()}", store)
+    if backend is None:
+        assert device is not None
+        gpus = _exchange(
+            store, rank, world_size, "gpu", gpu_identity(device) if device.type == "cuda" else ""
+        )
+        backend = agreed_backend(gpus, exclusive)
+        if backend == "nccl":
+            torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _exchange(store: Any, rank: int, world_size: int, key: str, value: str) -> list[str]:
+    """Every rank's ``value``, through the rendezvous store (before a process group exists)."""
+    store.set(f"{key}/{rank}", value)
+    return [store.get(f"{key}/{r}").decode() for r in range(world_size)]
 
 
 def _destroy_if_initialized() -> None:

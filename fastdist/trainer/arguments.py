@@ -12,13 +12,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from fastdist.callbacks.callback import Callback
-from fastdist.distributed.env import (
-    get_local_rank,
-    get_local_world_size,
-    get_world_size,
-    gpu_shortage,
-    visible_gpu_count,
-)
+from fastdist.distributed.env import get_local_rank, get_world_size, visible_gpu_count
 from fastdist.evaluation.validator import as_metric_list, resolve_metric_key
 from fastdist.losses import as_loss_fn
 from fastdist.metrics import Metric
@@ -186,15 +180,17 @@ def check_enough_samples(n_samples: int, batch_size: int, drop_last: bool) -> No
 
 
 def resolve_device(device: str | torch.device | None, gpu_count: int | None = None) -> torch.device:
-    """The trainer's device; ``"auto"``/``None``: ``cuda:LOCAL_RANK`` with CUDA, else the CPU.
+    """The trainer's device; ``"auto"``/``None``/``"cuda"``: ``cuda:LOCAL_RANK`` (modulo the
+    visible GPUs: ``cuda:0`` where a scheduler shows each process its own GPU), else the CPU.
+    Whether the processes really have a GPU each is agreed when the group forms
+    (:func:`fastdist.distributed.env.agreed_backend`).
 
     Args:
         device: ``"auto"``, ``None``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``.
         gpu_count: the visible GPUs; default torch's count (0 without CUDA).
 
     Raises:
-        ValueError: a CUDA device that is not there, or (``"auto"``/``"cuda"``) more processes
-            on this node than GPUs, which every rank of the node sees alike.
+        ValueError: a CUDA device that is not there.
     """
     gpu_count = visible_gpu_count() if gpu_count is None else gpu_count
     if device in (None, "auto"):
@@ -206,10 +202,7 @@ def resolve_device(device: str | torch.device | None, gpu_count: int | None = No
     if not gpu_count:
         raise ValueError(f"device={device!r} but CUDA is not available here: use device='cpu'")
     if resolved.index is None:
-        shortage = gpu_shortage(get_local_rank(), get_local_world_size(), gpu_count)
-        if shortage is not None:
-            raise ValueError(f"device={device!r}: {shortage}")
-        return torch.device("cuda", get_local_rank())
+        return torch.device("cuda", get_local_rank() % gpu_count)
     if resolved.index >= gpu_count:
         raise ValueError(
             f"device={device!r} but {gpu_count} GPU(s) are visible (cuda:0 to "

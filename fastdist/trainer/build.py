@@ -24,7 +24,6 @@ from fastdist.data.feed import make_forward
 from fastdist.data.protocol import Batches
 from fastdist.data.workers import warn_if_fork_may_hang, worker_context
 from fastdist.distributed import (
-    backend_for,
     destroy_groups,
     get_rank,
     get_world_size,
@@ -144,16 +143,15 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
 def _form_world(options: TrainerOptions, device: torch.device) -> World:
     """Form the process group (several processes) and the trainer's own group."""
     if get_world_size() > 1:
-        spec = options.device
-        pinned = spec not in (None, "auto") and torch.device(spec).index is not None
-        backend = backend_for(device, pinned)
-        if backend == "gloo" and device.type == "cuda":
+        spec = options.device  # "auto" and "cuda" ask for a GPU of each process's own
+        exclusive = spec in (None, "auto") or torch.device(spec).index is None
+        init_distributed(timeout=options.timeout, device=device, exclusive=exclusive)
+        if device.type == "cuda" and dist.get_backend() == "gloo":
             logger.info(
                 "%s is shared by this node's processes: gradients go over gloo; "
                 "device='auto' gives each process a GPU and nccl",
                 device,
             )
-        init_distributed(backend=backend, timeout=options.timeout)
     rank, size = get_rank(), get_world_size()
     install_excepthook()
     group = None  # a group of our own bounds every wait of the trainer by the timeout

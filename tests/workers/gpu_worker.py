@@ -5,7 +5,9 @@ Usage (under torchrun or as a plain process, with CUDA visible)::
     gpu_worker.py DEVICE CASE[,CASE...] OUT_DIR
 
 ``DEVICE`` is the trainer's ``device=`` (``auto``: ``cuda:LOCAL_RANK``; ``cuda:0``: every
-rank on GPU 0). Runs the cases in order in one process (group) and writes
+rank on GPU 0; ``cuda:LOCAL_RANK``: the spelling most DDP scripts use, expanded here;
+``auto-own-gpu``: ``auto`` in a process shown only its own GPU, as a scheduler setting
+``CUDA_VISIBLE_DEVICES`` per rank does). Runs the cases in order in one process (group) and writes
 ``{"meta": ..., CASE: result, ...}`` to ``OUT_DIR/rank<R>.json``. The models and data are
 tests/workers/trainer_worker.py's (equivalence) and resume_worker.py's (dropout, so a resume
 must restore the CUDA generator).
@@ -13,7 +15,12 @@ must restore the CUDA generator).
 
 from __future__ import annotations
 
+import os
 import sys
+
+if len(sys.argv) > 1 and sys.argv[1] == "auto-own-gpu":  # before CUDA starts: see the docstring
+    _visible = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0,1").split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = _visible[int(os.environ.get("LOCAL_RANK", "0"))]
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +31,7 @@ from workers.resume_worker import DropNet
 from workers.trainer_worker import ToyData, ToyNet, flat_params, write_json
 
 from fastdist import AccuracyMetric, CrossEntropyLoss, DistTrainer
-from fastdist.distributed import backend_for, get_rank, get_world_size, init_distributed
+from fastdist.distributed import get_rank, get_world_size, init_distributed
 from fastdist.distributed.env import default_backend
 from fastdist.trainer.arguments import resolve_device
 
@@ -57,16 +64,14 @@ def param_devices(model: torch.nn.Module) -> list[str]:
 
 
 def case_nccl(device: str, out: Path) -> dict[str, Any]:
-    """Form the group as a user would at world size 1 (DistTrainer forms none there) with
-    ``backend_for`` the resolved device, and all-reduce a CUDA tensor over it."""
+    """Form the group as a user would at world size 1 (DistTrainer forms none there), the
+    backend agreed from the resolved device, and all-reduce a CUDA tensor over it."""
     resolved = resolve_device(device)
-    chosen = backend_for(resolved)
-    init_distributed(backend=chosen, timeout=TIMEOUT)
+    init_distributed(timeout=TIMEOUT, device=resolved, exclusive=True)
     tensor = torch.full((3,), float(get_rank() + 1), device=resolved)
     dist.all_reduce(tensor)
     dist.barrier()
     return {
-        "backend_for": chosen,
         "default_backend": default_backend(),
         "group_backend": dist.get_backend(),
         "all_reduce": tensor.tolist(),
@@ -154,6 +159,10 @@ def main(argv: list[str]) -> int:
         print(f"usage: {argv[0]} DEVICE CASE[,CASE...] OUT_DIR; cases: {', '.join(CASES)}")
         return 2
     device, out = argv[1], Path(argv[3])
+    device = {
+        "cuda:LOCAL_RANK": f"cuda:{os.environ.get('LOCAL_RANK', '0')}",
+        "auto-own-gpu": "auto",
+    }.get(device, device)
     results: dict[str, Any] = {
         "meta": {
             "rank": get_rank(),
