@@ -18,7 +18,7 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
+import uuid
 import zlib
 from collections.abc import Iterator
 from typing import IO, Any
@@ -33,19 +33,23 @@ SHARDED_REST = "trainer.pt"  # a sharded checkpoint's every part but the sharded
 
 @contextlib.contextmanager
 def _atomic_file(path: str) -> Iterator[IO[bytes]]:
-    """Yield a temp file next to ``path``; on success fsync it and rename it over ``path``."""
+    """Yield a new temp file next to ``path``; on success fsync it and rename it over ``path``.
+
+    ``open(..., "xb")`` creates it with mode 0o666 less the umask, as the user's other files
+    (``tempfile.mkstemp`` would make it 0o600), without touching the process-wide umask.
+    """
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    os.close(fd)
+    tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
     try:
-        with open(tmp, "wb") as f:  # f.name is the temp file's path
+        with open(tmp, "xb") as f:  # f.name is the temp file's path
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
     fsync_dir(directory)
 
