@@ -1,12 +1,17 @@
-"""Checkpoint files in one process, with real files: their modes.
+"""Checkpoint files in one process, with real files: their modes, the checksums of every file
+of a sharded checkpoint, and the errors that name a file the user gave. (The same on 2 ranks:
+tests/test_resume.py.)
 
 The trainer is tests/inprocess.py's: 24 samples in batches of 4, 6 updates an epoch.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import stat
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +30,17 @@ def trainer(save_path: Path | None, **kwargs: Any) -> DistTrainer:
     return make_trainer(Callback(), save_path=path, **kwargs)
 
 
+def manifest(checkpoints: Path) -> list[dict[str, Any]]:
+    return json.loads((checkpoints / "manifest.json").read_text())
+
+
+def flip_a_byte(path: Path) -> None:
+    """Corrupt ``path`` in the middle, as a bad disk would: its size stays."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def test_files_get_the_users_umask(tmp_path: Path) -> None:
     """Checkpoints (a file; a sharded one's every file), the manifest and the best model are
     created like the user's other files: 0o666 less the umask, not 0o600."""
@@ -41,3 +57,73 @@ def test_files_get_the_users_umask(tmp_path: Path) -> None:
     assert len([path for path in files if path.name.startswith("best_")]) == 2, names
     modes = {str(path.relative_to(tmp_path)): stat.S_IMODE(path.stat().st_mode) for path in files}
     assert modes == dict.fromkeys(modes, 0o640)
+
+
+def test_every_file_of_a_sharded_checkpoint_is_checksummed(
+    tmp_path: Path, log_lines: list[str]
+) -> None:
+    """The manifest holds the CRC-32 of every file of a sharded checkpoint. A corrupt shard
+    makes resume='auto' fall back to the checkpoint before, with a warning naming it, and a
+    resume from it by name an error naming it. Entries of before (``trainer.pt``'s CRC-32
+    only) still resume."""
+    trainer(tmp_path / "run", strategy="fsdp", checkpoint_every=3).train()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for entry in manifest(checkpoints):
+        files = (checkpoints / entry["file"]).iterdir()
+        assert entry["files"] == {path.name: zlib.crc32(path.read_bytes()) for path in files}
+        assert entry["crc32"] == entry["files"]["trainer.pt"]
+    assert set(entry["files"]) == {".metadata", "__0_0.distcp", "trainer.pt"}
+
+    old = tmp_path / "old" / "checkpoints"
+    shutil.copytree(checkpoints, old)
+    entries = [{k: v for k, v in entry.items() if k != "files"} for entry in manifest(old)]
+    (old / "manifest.json").write_text(json.dumps(entries))
+    assert trainer(old.parent, strategy="fsdp", n_epochs=2).train()["steps"] == 12
+    assert any(f"resumed from {old / 'step-00000006'}:" in line for line in log_lines)
+
+    shard = checkpoints / "step-00000006" / "__0_0.distcp"
+    flip_a_byte(shard)
+    named = rf"resume='{shard.parent}' cannot be resumed from: {shard}: its CRC-32 does not"
+    with pytest.raises(ValueError, match=named):
+        trainer(tmp_path / "new", strategy="fsdp").train(resume=str(shard.parent))
+    log_lines.clear()
+    assert trainer(checkpoints.parent, strategy="fsdp", n_epochs=2).train()["steps"] == 12
+    skipped = f"WARNING skipping checkpoint {shard.parent}: {shard}: its CRC-32 does not match"
+    assert any(line.startswith(skipped) for line in log_lines), log_lines
+    assert any(f"resumed from {checkpoints / 'step-00000003'}:" in line for line in log_lines)
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        pytest.param('[{"file": "step-00000003.pt", ', "invalid JSON", id="cut-short"),
+        pytest.param('{"file": "step-00000003.pt"}', "it is not a list of", id="not-a-list"),
+        pytest.param(
+            '[{"file": "../../x", "crc32": 1, "step": 3}]', "it is not a list of", id="a-path"
+        ),
+    ],
+)
+def test_a_broken_manifest_is_an_error_naming_it(tmp_path: Path, content: str, why: str) -> None:
+    """A manifest that is not one is an error, not a silent fresh start."""
+    path = tmp_path / "checkpoints" / "manifest.json"
+    path.parent.mkdir()
+    path.write_text(content)
+    with pytest.raises(ValueError, match=rf"{path} is not a checkpoint manifest \({why}"):
+        trainer(tmp_path).train()
+    assert path.read_text() == content
+
+
+def test_a_file_given_as_resume_that_is_not_a_checkpoint_is_named(tmp_path: Path) -> None:
+    trainer(tmp_path / "run").train()
+    good = (tmp_path / "run" / "checkpoints" / "step-00000006.pt").read_bytes()
+    truncated, garbage = tmp_path / "truncated.pt", tmp_path / "garbage.pt"
+    truncated.write_bytes(good[: len(good) // 2])
+    garbage.write_bytes(b"\x00" * 100)
+    for path in (truncated, garbage):
+        with pytest.raises(ValueError, match=rf"resume='{path}' cannot be resumed from: "):
+            trainer(None).train(resume=str(path))
+    missing = tmp_path / "nowhere.pt"
+    with pytest.raises(FileNotFoundError, match=rf"resume='{missing}': no such checkpoint"):
+        trainer(None).train(resume=str(missing))
+    with pytest.raises(ValueError, match=r"resume=True: pass 'auto', a checkpoint's path, or"):
+        trainer(None).train(resume=True)

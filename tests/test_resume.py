@@ -4,7 +4,9 @@ the same command ends with the parameters of a straight run, bit for bit.
 Every run trains tests/workers/resume_worker.py's float64 MLP with dropout (so the random
 generators must be restored), SGD with momentum (optimizer state) and a learning-rate callback
 (callback state), on 72 samples in micro-batches of 4: 9 per rank and epoch on 2 ranks, 2 epochs.
-The straight runs of every configuration are launched once per module.
+The straight runs of every configuration are launched once per module. Checkpoint files made
+wrong on disk (corrupt shards, a broken manifest, a file that is not a checkpoint) are checked
+on 2 ranks by tests/workers/checkpoint_worker.py, in one launch.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import pickle
 import re
 import shutil
 import zlib
@@ -34,7 +35,8 @@ from launch import (
 from workers.resume_worker import N_SAMPLES, build_trainer
 
 WORKER = Path(__file__).resolve().parent / "workers" / "resume_worker.py"
-CONFIGS = "plain,accumulate,epoch-lr,fsdp,powersgd,local-sgd"  # resume_worker.CONFIGS
+CHECKPOINT_WORKER = WORKER.with_name("checkpoint_worker.py")
+CONFIGS = "plain,accumulate,epoch-lr,fsdp,fsdp-exact,powersgd,local-sgd"  # resume_worker.CONFIGS
 SIZE = 2  # processes of every torchrun launch
 
 pytestmark = pytest.mark.slow
@@ -215,6 +217,17 @@ def test_fsdp_restart_resumes_exactly_from_a_sharded_checkpoint(
     assert_matches_straight(straight, tmp_path, "fsdp", "job", first="job", restart=1)
 
 
+def keep_until(checkpoints: Path, step: int) -> None:
+    """Delete the checkpoints after update ``step``, files and manifest entries: as if the run
+    had died after writing the checkpoint of ``step``."""
+    manifest = checkpoints / "manifest.json"
+    entries = json.loads(manifest.read_text())
+    for entry in entries:
+        if entry["step"] > step:
+            shutil.rmtree(checkpoints / entry["file"])
+    manifest.write_text(json.dumps([entry for entry in entries if entry["step"] <= step]))
+
+
 def test_fsdp_checkpoint_of_two_ranks_resumes_on_one(tmp_path: Path) -> None:
     """A partial (unpublished) newer checkpoint is skipped; DCP reshards 2 ranks' shards."""
     first = launch(tmp_path, "fsdp", "first", "--kill-at", "6", check=False)
@@ -268,6 +281,64 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(
     ), result.describe()
     assert f"resumed from {checkpoint_path(tmp_path, 'plain', 17)}" in result.output
     assert_matches_straight(straight, tmp_path, "plain", "after-truncation")
+
+
+def test_checkpoint_files_are_judged_alike_on_every_rank(straight: Path, tmp_path: Path) -> None:
+    """2 ranks, one launch, resume=... with files made wrong as a disk or a user can: every rank
+    raises the same error naming the file, before any collective (none hangs), or every rank
+    skips the same checkpoint. Each rank checks every other file of a sharded checkpoint (by
+    name: rank 1 checks ``__0_0.distcp``), so a shard that only rank 1 finds corrupt must make
+    rank 0 skip it too."""
+    source = straight / "fsdp-exact" / "checkpoints"
+
+    def copy(name: str) -> Path:
+        shutil.copytree(source, tmp_path / name / "checkpoints")
+        return tmp_path / name / "checkpoints"
+
+    missing = tmp_path / "nowhere" / "step-00000003"
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    broken = tmp_path / "broken-manifest" / "checkpoints"
+    broken.mkdir(parents=True)
+    (broken / "manifest.json").write_text('[{"file": "step-00000001", ')  # cut short
+    corrupt = copy("corrupt")
+    keep_until(corrupt, 3)
+    shard = corrupt / "step-00000003" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte flipped, as a bad disk does; the size stays
+    shard.write_bytes(bytes(data))
+    cases = {
+        "missing": (tmp_path / "a", str(missing)),
+        "garbage": (tmp_path / "b", str(garbage)),
+        "manifest": (broken.parent, "auto"),
+        "named-shard": (tmp_path / "c", str(corrupt / "step-00000003")),
+        "auto-shard": (corrupt.parent, "auto"),  # last: it trains, rewriting step 3
+    }
+    spec = [
+        {"name": name, "config": "fsdp-exact", "save_path": str(path), "resume": resume}
+        for name, (path, resume) in cases.items()
+    ]
+    (tmp_path / "cases.json").write_text(json.dumps(spec))
+    result = run_torchrun(CHECKPOINT_WORKER, SIZE, [str(tmp_path / "cases.json"), str(tmp_path)])
+
+    def error(case: str) -> str:
+        outcomes = [json.loads((tmp_path / f"{case}.rank{r}.json").read_text()) for r in (0, 1)]
+        assert outcomes[0] == outcomes[1], f"{case}: the ranks disagree: {outcomes}"
+        return outcomes[0]["error"]
+
+    assert error("missing").startswith(f"FileNotFoundError: resume='{missing}': no such")
+    assert error("garbage").startswith(f"ValueError: resume='{garbage}' cannot be resumed")
+    assert error("manifest").startswith(f"ValueError: {broken / 'manifest.json'} is not a")
+    assert f"cannot be resumed from: {shard}: its CRC-32 does not match" in error("named-shard")
+
+    skipped = f"skipping checkpoint {corrupt / 'step-00000003'}: {shard}: its CRC-32 does not"
+    assert result.output.count(skipped) == 1, result.describe()  # rank 0 says it for both
+    assert f"resumed from {corrupt / 'step-00000002'}:" in result.output
+    for rank in range(SIZE):
+        got = json.loads((tmp_path / f"auto-shard.rank{rank}.json").read_text())
+        assert got["start_step"] == 2
+        expected = rank_result(straight, "fsdp-exact", "straight", rank)["final"]
+        assert_same_params(got["final"], expected, f"rank {rank} after the fallback")
 
 
 # ----- pre-emption -----
@@ -332,7 +403,7 @@ def test_checkpoint_with_pickled_code_is_refused(
     torch.save({"format": 1, "model": _Payload(marker)}, evil)
 
     trainer = build_trainer("plain", tmp_path / "explicit")
-    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+    with pytest.raises(ValueError, match=r"evil\.pt' cannot be resumed from: UnpicklingError"):
         trainer.train(resume=str(evil))
     assert not marker.exists()
 

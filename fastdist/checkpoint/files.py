@@ -4,12 +4,16 @@ Layout of a checkpoint directory::
 
     step-00000120.pt     torch.save of a dict of state dicts (tensors and plain data only)
     step-00000240/       a sharded checkpoint (see :mod:`fastdist.checkpoint.sharded`)
-    manifest.json        [{"file": "step-00000120.pt", "crc32": ..., "step": 120}, ...]
+    manifest.json        [{"file": "step-00000120.pt", "crc32": ..., "step": 120},
+                          {"file": "step-00000240", "crc32": ..., "step": 240,
+                           "files": {".metadata": ..., "__0_0.distcp": ..., "trainer.pt": ...}}]
 
-A checkpoint is written to a temp file, checksummed, fsynced and renamed; only then is the
-manifest replaced the same way, and only then are checkpoints beyond ``keep`` pruned. Loading
-verifies the checksum and uses
-``torch.load(weights_only=True)``, which refuses pickled code.
+``crc32`` is the CRC-32 of the file, or of a sharded checkpoint's ``trainer.pt``; ``files``
+(sharded checkpoints, since it was added) holds the CRC-32 of every file in it. A checkpoint is
+written to a temp file, checksummed, fsynced and renamed; only then is the manifest replaced
+the same way, and only then are checkpoints beyond ``keep`` pruned. Files are
+created like any file of the user's (mode 0o666 less the umask). Loading verifies the
+checksums and uses ``torch.load(weights_only=True)``, which refuses pickled code.
 """
 
 from __future__ import annotations
@@ -24,8 +28,6 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 import torch
-
-from fastdist.logging import logger
 
 MANIFEST = "manifest.json"
 SHARDED_REST = "trainer.pt"  # a sharded checkpoint's every part but the sharded ones
@@ -74,16 +76,42 @@ def atomic_save(obj: Any, path: str) -> int:
     with _atomic_file(path) as f:
         torch.save(obj, f)
         f.flush()
-        crc32 = _crc32(f.name)
-    return crc32
+        checksum = crc32(f.name)
+    return checksum
 
 
-def _crc32(path: str) -> int:
+def crc32(path: str) -> int:
+    """The CRC-32 of the file ``path``."""
     crc = 0
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             crc = zlib.crc32(block, crc)
     return crc
+
+
+def expected_checksums(directory: str, entry: dict[str, Any]) -> dict[str, int]:
+    """The CRC-32 of every file of the checkpoint a manifest ``entry`` names, by path: a
+    sharded checkpoint's files (entries written before ``files`` hold only ``trainer.pt``'s)."""
+    path = os.path.join(directory, entry["file"])
+    if "files" in entry:
+        return {os.path.join(path, name): crc for name, crc in entry["files"].items()}
+    return {_rest_file(path): entry["crc32"]}
+
+
+def _plain_name(name: Any) -> bool:
+    """Whether ``name`` names an entry of the directory itself (no path: pruning stays in it)."""
+    return isinstance(name, str) and os.path.basename(name) == name and name not in ("", ".", "..")
+
+
+def _valid_entry(entry: Any) -> bool:
+    if not isinstance(entry, dict) or not _plain_name(entry.get("file")):
+        return False
+    if not (isinstance(entry.get("crc32"), int) and isinstance(entry.get("step"), int)):
+        return False
+    files = entry.get("files", {})
+    return isinstance(files, dict) and all(
+        _plain_name(name) and isinstance(crc, int) for name, crc in files.items()
+    )
 
 
 class CheckpointDir:
@@ -94,12 +122,20 @@ class CheckpointDir:
         self.keep = keep
 
     def entries(self) -> list[dict[str, Any]]:
-        """Manifest entries, oldest first (empty when there is no manifest)."""
+        """Manifest entries, oldest first (empty when there is no manifest); a manifest that
+        is not one raises ``ValueError`` naming it."""
         path = os.path.join(self.directory, MANIFEST)
-        if not os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                entries = json.loads(f.read())
+        except FileNotFoundError:
             return []
-        with open(path) as f:
-            return list(json.load(f))
+        except ValueError as exc:  # invalid JSON or UTF-8
+            raise ValueError(_not_a_manifest(path, f"invalid JSON: {exc}")) from exc
+        if not isinstance(entries, list) or not all(map(_valid_entry, entries)):
+            shape = 'a list of {"file": name, "crc32": int, "step": int}'
+            raise ValueError(_not_a_manifest(path, f"it is not {shape}"))
+        return entries
 
     def save(self, checkpoint: dict[str, Any], step: int) -> str:
         """Write ``checkpoint`` durably, record it in the manifest, prune old ones."""
@@ -107,12 +143,17 @@ class CheckpointDir:
         self.record(path, atomic_save(checkpoint, path), step)
         return path
 
-    def record(self, path: str, crc32: int, step: int) -> None:
-        """Name the durable checkpoint ``path`` (a file, or a sharded checkpoint's directory,
-        ``crc32`` that of its ``trainer.pt``) in the manifest, then prune the oldest."""
+    def record(
+        self, path: str, checksum: int, step: int, files: dict[str, int] | None = None
+    ) -> None:
+        """Name the durable checkpoint ``path`` in the manifest (a file, ``checksum`` its CRC-32;
+        or a sharded checkpoint's directory, ``checksum`` that of its ``trainer.pt`` and
+        ``files`` that of each of its files), then prune the oldest."""
         name = os.path.basename(path)
-        entries = [e for e in self.entries() if e["file"] != name]
-        entries.append({"file": name, "crc32": crc32, "step": step})
+        entry: dict[str, Any] = {"file": name, "crc32": checksum, "step": step}
+        if files is not None:
+            entry["files"] = files
+        entries = [e for e in self.entries() if e["file"] != name] + [entry]
         kept, dropped = entries[-self.keep :], entries[: -self.keep]
         with _atomic_file(os.path.join(self.directory, MANIFEST)) as f:
             f.write(json.dumps(kept, indent=1).encode())
@@ -123,17 +164,12 @@ class CheckpointDir:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(old_path)
 
-    def load_latest(self) -> tuple[dict[str, Any], str] | None:
-        """The newest checkpoint that verifies and loads, with its path; warn on bad ones."""
-        for entry in reversed(self.entries()):
-            path = os.path.join(self.directory, entry["file"])
-            try:
-                if _crc32(_rest_file(path)) != entry["crc32"]:
-                    raise ValueError("its CRC-32 does not match the manifest (truncated?)")
-                return load_checkpoint(path), path
-            except Exception as exc:
-                logger.warning("skipping checkpoint %s: %s", path, exc)
-        return None
+
+def _not_a_manifest(path: str, why: str) -> str:
+    return (
+        f"{path} is not a checkpoint manifest ({why}): restore it, delete it (resume='auto' "
+        "then finds none of the checkpoints it listed), or use another save_path/checkpoint_dir"
+    )
 
 
 def _rest_file(path: str) -> str:

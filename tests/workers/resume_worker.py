@@ -30,7 +30,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -43,27 +43,38 @@ from fastdist.callbacks import LRSchedulerCallback, WarmupCallback
 N_SAMPLES, BATCH, N_EPOCHS = 72, 4, 2  # 2 ranks: 36 samples = 9 micro-batches per epoch
 HIDDEN = 16
 KILL_RANK = 1
-# name -> (update_every, learning-rate schedule, strategy)
-CONFIGS: dict[str, tuple[int, str, Any]] = {
-    "plain": (1, "warmup", "ddp"),  # 9 updates per epoch on 2 ranks
-    "accumulate": (2, "warmup", "ddp"),  # windows of 2 micro-batches, a short last one: 5 updates
-    "epoch-lr": (1, "epoch", "ddp"),  # StepLR stepped at every epoch end
-    "fsdp": (2, "warmup", "fsdp"),  # as accumulate, sharded (DCP) checkpoints
+
+
+class Config(NamedTuple):
+    update_every: int
+    schedule: str  # of the learning rate: "warmup" (per update) or "epoch" (StepLR)
+    strategy: Any
+    dropout: float = 0.5
+    keep: int = 3  # keep_checkpoints
+
+
+CONFIGS: dict[str, Config] = {
+    "plain": Config(1, "warmup", "ddp"),  # 9 updates per epoch on 2 ranks
+    "accumulate": Config(2, "warmup", "ddp"),  # windows of 2 micro-batches, a short last: 5 updates
+    "epoch-lr": Config(1, "epoch", "ddp"),  # StepLR stepped at every epoch end
+    "fsdp": Config(2, "warmup", "fsdp"),  # as accumulate, sharded (DCP) checkpoints
+    # As fsdp without dropout (a resume ends bit for bit where it does), every checkpoint kept.
+    "fsdp-exact": Config(2, "warmup", "fsdp", dropout=0.0, keep=100),
     # PowerSGD compresses from update 11: its per-rank error feedback and Q matrices must resume.
-    "powersgd": (1, "warmup", DDP(comm_hook="powersgd")),
+    "powersgd": Config(1, "warmup", DDP(comm_hook="powersgd")),
     # Local SGD: after 4 updates, ranks step on their own and average every 4th update; each
     # rank's parameters and momentum between averagings must resume.
-    "local-sgd": (1, "warmup", DDP(average_every=4)),
+    "local-sgd": Config(1, "warmup", DDP(average_every=4)),
 }
 
 
 class DropNet(nn.Module):
     """A float64 MLP with dropout, so every resume must restore the random generators."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.5) -> None:
         super().__init__()
         self.hidden = nn.Linear(DIM, HIDDEN, dtype=torch.float64)
-        self.drop = nn.Dropout(0.5)
+        self.drop = nn.Dropout(dropout)
         self.out = nn.Linear(HIDDEN, CLASSES, dtype=torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,9 +160,9 @@ def build_trainer(
     callbacks: list[Callback] | None = None,
 ) -> DistTrainer:
     """The trainer of ``config``, built from fixed seeds (the same in every attempt)."""
-    update_every, schedule, strategy = CONFIGS[config]
+    update_every, schedule, strategy, dropout, keep = CONFIGS[config]
     torch.manual_seed(1234)  # the model's init and the first dropout masks
-    model = DropNet()
+    model = DropNet(dropout)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     if schedule == "warmup":
         lr_callback: Callback = WarmupCallback(warmup=0.3, schedule="linear")
@@ -172,7 +183,7 @@ def build_trainer(
         use_tqdm=False,
         device="cpu",
         checkpoint_every=checkpoint_every,
-        keep_checkpoints=3,
+        keep_checkpoints=keep,
         strategy=strategy,
     )
 
