@@ -1,6 +1,6 @@
 """Checkpoint files in one process, with real files: their modes, the checksums of every file
-of a sharded checkpoint, and the errors that name a file the user gave. (The same on 2 ranks:
-tests/test_resume.py.)
+of a sharded checkpoint, what a later run may do with an earlier run's checkpoints, and the
+errors that name a file the user gave. (The same on 2 ranks: tests/test_resume.py.)
 
 The trainer is tests/inprocess.py's: 24 samples in batches of 4, 6 updates an epoch.
 """
@@ -20,6 +20,7 @@ from inprocess import make_trainer
 
 from fastdist import DistTrainer
 from fastdist.callbacks import Callback
+from fastdist.checkpoint.files import CheckpointDir
 
 pytestmark = pytest.mark.usefixtures("no_dist_env")
 
@@ -28,6 +29,12 @@ def trainer(save_path: Path | None, **kwargs: Any) -> DistTrainer:
     """The in-process trainer, saving under ``save_path`` (if given)."""
     path = None if save_path is None else str(save_path)
     return make_trainer(Callback(), save_path=path, **kwargs)
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` by relative path, with its bytes."""
+    files = (path for path in directory.rglob("*") if path.is_file())
+    return {str(path.relative_to(directory)): path.read_bytes() for path in files}
 
 
 def manifest(checkpoints: Path) -> list[dict[str, Any]]:
@@ -57,6 +64,62 @@ def test_files_get_the_users_umask(tmp_path: Path) -> None:
     assert len([path for path in files if path.name.startswith("best_")]) == 2, names
     modes = {str(path.relative_to(tmp_path)): stat.S_IMODE(path.stat().st_mode) for path in files}
     assert modes == dict.fromkeys(modes, 0o640)
+
+
+def test_a_fresh_start_never_deletes_earlier_checkpoints(tmp_path: Path) -> None:
+    """resume=False, or a checkpoint from elsewhere, where checkpoints are is refused before
+    training and changes nothing; continuing from the newest is allowed, and then the run's
+    pruning covers them."""
+    trainer(tmp_path, checkpoint_every=2).train()
+    checkpoints = tmp_path / "checkpoints"
+    assert [entry["step"] for entry in manifest(checkpoints)] == [4, 6]
+    before = snapshot(checkpoints)
+    holds = rf"the checkpoint directory '{checkpoints}' already holds checkpoints"
+    fixes = r"continue them with train\(resume='auto'\), use another save_path/checkpoint_dir, "
+    fixes += "or delete the old checkpoints yourself"
+    with pytest.raises(FileExistsError, match=rf"{holds} \(step-00000004.pt, step-00000006.pt\)"):
+        trainer(tmp_path).train(resume=False)
+    with pytest.raises(FileExistsError, match=rf"fresh start \(resume=False\) would .*: {fixes}"):
+        trainer(None, checkpoint_dir=str(checkpoints)).train(resume=False)
+    (checkpoints / "manifest.json").rename(tmp_path / "manifest.json")
+    with pytest.raises(FileExistsError, match=holds):  # step-* files without a manifest
+        trainer(tmp_path).train(resume=False)
+    (tmp_path / "manifest.json").rename(checkpoints / "manifest.json")
+
+    trainer(tmp_path / "other").train()
+    elsewhere = tmp_path / "other" / "checkpoints" / "step-00000006.pt"
+    with pytest.raises(FileExistsError, match=rf"which a run resumed from '{elsewhere}' would"):
+        trainer(tmp_path).train(resume=str(elsewhere))
+    older = checkpoints / "step-00000004.pt"
+    newer = rf"holds checkpoints newer than '{older}' \(step-00000006.pt\)"
+    with pytest.raises(FileExistsError, match=newer):
+        trainer(tmp_path).train(resume=str(older))
+    assert snapshot(checkpoints) == before
+
+    continued = trainer(tmp_path, checkpoint_every=2, n_epochs=2)
+    assert continued.train(resume=str(checkpoints / "step-00000006.pt"))["steps"] == 12
+    assert [entry["step"] for entry in manifest(checkpoints)] == [10, 12]
+    assert sorted(path.name for path in checkpoints.glob("step-*")) == [
+        "step-00000010.pt",
+        "step-00000012.pt",
+    ]
+
+
+def test_pruning_removes_only_the_runs_own_checkpoints(tmp_path: Path) -> None:
+    """A run prunes what it wrote and what it continues, never another run's checkpoint."""
+    CheckpointDir(str(tmp_path), keep=1).save({"run": 1}, 1)
+    later = CheckpointDir(str(tmp_path), keep=1)
+    for step in (2, 3):
+        later.save({"run": 2}, step)
+    assert [entry["step"] for entry in manifest(tmp_path)] == [1, 3]
+    assert sorted(path.name for path in tmp_path.glob("step-*")) == [
+        "step-00000001.pt",
+        "step-00000003.pt",
+    ]
+    later.adopt(["step-00000001.pt"])  # as when it continues them
+    later.save({"run": 2}, 4)
+    assert [entry["step"] for entry in manifest(tmp_path)] == [4]
+    assert [path.name for path in tmp_path.glob("step-*")] == ["step-00000004.pt"]
 
 
 def test_every_file_of_a_sharded_checkpoint_is_checksummed(
@@ -104,12 +167,14 @@ def test_every_file_of_a_sharded_checkpoint_is_checksummed(
     ],
 )
 def test_a_broken_manifest_is_an_error_naming_it(tmp_path: Path, content: str, why: str) -> None:
-    """A manifest that is not one is an error, not a silent fresh start."""
+    """Whether the run would resume (auto) or start afresh (False): a manifest that is not
+    one is an error, not a silent fresh start or a failure at the first checkpoint."""
     path = tmp_path / "checkpoints" / "manifest.json"
     path.parent.mkdir()
     path.write_text(content)
-    with pytest.raises(ValueError, match=rf"{path} is not a checkpoint manifest \({why}"):
-        trainer(tmp_path).train()
+    for resume in ("auto", False):
+        with pytest.raises(ValueError, match=rf"{path} is not a checkpoint manifest \({why}"):
+            trainer(tmp_path).train(resume=resume)
     assert path.read_text() == content
 
 

@@ -5,8 +5,8 @@ Every run trains tests/workers/resume_worker.py's float64 MLP with dropout (so t
 generators must be restored), SGD with momentum (optimizer state) and a learning-rate callback
 (callback state), on 72 samples in micro-batches of 4: 9 per rank and epoch on 2 ranks, 2 epochs.
 The straight runs of every configuration are launched once per module. Checkpoint files made
-wrong on disk (corrupt shards, a broken manifest, a file that is not a checkpoint) are checked
-on 2 ranks by tests/workers/checkpoint_worker.py, in one launch.
+wrong on disk (corrupt shards, a broken manifest, a directory of another run's checkpoints)
+are checked on 2 ranks by tests/workers/checkpoint_worker.py, in one launch.
 """
 
 from __future__ import annotations
@@ -283,6 +283,12 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(
     assert_matches_straight(straight, tmp_path, "plain", "after-truncation")
 
 
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` by relative path, with its bytes."""
+    files = (path for path in directory.rglob("*") if path.is_file())
+    return {str(path.relative_to(directory)): path.read_bytes() for path in files}
+
+
 def test_checkpoint_files_are_judged_alike_on_every_rank(straight: Path, tmp_path: Path) -> None:
     """2 ranks, one launch, resume=... with files made wrong as a disk or a user can: every rank
     raises the same error naming the file, before any collective (none hangs), or every rank
@@ -295,6 +301,8 @@ def test_checkpoint_files_are_judged_alike_on_every_rank(straight: Path, tmp_pat
         shutil.copytree(source, tmp_path / name / "checkpoints")
         return tmp_path / name / "checkpoints"
 
+    held = copy("held")  # a finished run's checkpoints
+    before = snapshot(held)
     missing = tmp_path / "nowhere" / "step-00000003"
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")
@@ -308,6 +316,7 @@ def test_checkpoint_files_are_judged_alike_on_every_rank(straight: Path, tmp_pat
     data[len(data) // 2] ^= 0xFF  # one byte flipped, as a bad disk does; the size stays
     shard.write_bytes(bytes(data))
     cases = {
+        "fresh": (held.parent, False),
         "missing": (tmp_path / "a", str(missing)),
         "garbage": (tmp_path / "b", str(garbage)),
         "manifest": (broken.parent, "auto"),
@@ -326,6 +335,11 @@ def test_checkpoint_files_are_judged_alike_on_every_rank(straight: Path, tmp_pat
         assert outcomes[0] == outcomes[1], f"{case}: the ranks disagree: {outcomes}"
         return outcomes[0]["error"]
 
+    fresh = error("fresh")
+    assert fresh.startswith(f"FileExistsError: the checkpoint directory '{held}' already holds")
+    for fix in ("resume='auto'", "another save_path/checkpoint_dir", "delete the old checkpoints"):
+        assert fix in fresh
+    assert snapshot(held) == before, "a refused run changed the checkpoints"
     assert error("missing").startswith(f"FileNotFoundError: resume='{missing}': no such")
     assert error("garbage").startswith(f"ValueError: resume='{garbage}' cannot be resumed")
     assert error("manifest").startswith(f"ValueError: {broken / 'manifest.json'} is not a")

@@ -138,7 +138,9 @@ class Checkpointer:
         ``False``: none. Return where it came from.
 
         Every rank restores the same checkpoint or raises the same error (see
-        :mod:`fastdist.checkpoint.resume`).
+        :mod:`fastdist.checkpoint.resume`). A run may not prune or overwrite checkpoints it does
+        not continue: a fresh start, or a resume from elsewhere, in a directory that holds
+        checkpoints is refused.
         """
         found = choose(resume, self.dir, self.group)
         if found is None:
@@ -181,7 +183,8 @@ class Checkpointer:
             )
         raise ValueError(
             f"checkpoint {path} holds no {part.name!r} state: it was not written by this "
-            "trainer; pass another checkpoint, or start afresh with train(resume=False)"
+            "trainer; pass another checkpoint, or start afresh in another "
+            "save_path/checkpoint_dir"
         )
 
     def _scoped(self, scope: str) -> list[Part]:

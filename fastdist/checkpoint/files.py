@@ -11,7 +11,7 @@ Layout of a checkpoint directory::
 ``crc32`` is the CRC-32 of the file, or of a sharded checkpoint's ``trainer.pt``; ``files``
 (sharded checkpoints, since it was added) holds the CRC-32 of every file in it. A checkpoint is
 written to a temp file, checksummed, fsynced and renamed; only then is the manifest replaced
-the same way, and only then are checkpoints beyond ``keep`` pruned. Files are
+the same way, and only then are this run's checkpoints beyond ``keep`` pruned. Files are
 created like any file of the user's (mode 0o666 less the umask). Loading verifies the
 checksums and uses ``torch.load(weights_only=True)``, which refuses pickled code.
 """
@@ -21,16 +21,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import uuid
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 import torch
 
 MANIFEST = "manifest.json"
 SHARDED_REST = "trainer.pt"  # a sharded checkpoint's every part but the sharded ones
+_STEP_NAME = re.compile(r"step-(\d+)(\.pt)?$")  # a checkpoint's name, as this module writes it
 
 
 @contextlib.contextmanager
@@ -115,11 +117,16 @@ def _valid_entry(entry: Any) -> bool:
 
 
 class CheckpointDir:
-    """The checkpoints of one run in ``directory``, newest last in the manifest."""
+    """The checkpoints of one run in ``directory``, newest last in the manifest.
+
+    Pruning removes only the run's own checkpoints: those it recorded, and those it adopted
+    (the directory's, when it continues them). On rank 0, which writes them.
+    """
 
     def __init__(self, directory: str, keep: int) -> None:
         self.directory = directory
         self.keep = keep
+        self.own: set[str] = set()
 
     def entries(self) -> list[dict[str, Any]]:
         """Manifest entries, oldest first (empty when there is no manifest); a manifest that
@@ -137,6 +144,21 @@ class CheckpointDir:
             raise ValueError(_not_a_manifest(path, f"it is not {shape}"))
         return entries
 
+    def held(self) -> dict[str, int]:
+        """Every checkpoint the directory holds, by name, with its step: the manifest's and
+        any other ``step-*`` file or directory (an unrecorded one, a copied one)."""
+        found = {e["file"]: e["step"] for e in self.entries()}
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.directory):
+                match = _STEP_NAME.match(name)
+                if match:
+                    found.setdefault(name, int(match.group(1)))
+        return found
+
+    def adopt(self, names: Iterable[str]) -> None:
+        """Make the checkpoints ``names`` this run's own: the run continues them."""
+        self.own.update(names)
+
     def save(self, checkpoint: dict[str, Any], step: int) -> str:
         """Write ``checkpoint`` durably, record it in the manifest, prune old ones."""
         path = os.path.join(self.directory, f"step-{step:08d}.pt")
@@ -148,13 +170,16 @@ class CheckpointDir:
     ) -> None:
         """Name the durable checkpoint ``path`` in the manifest (a file, ``checksum`` its CRC-32;
         or a sharded checkpoint's directory, ``checksum`` that of its ``trainer.pt`` and
-        ``files`` that of each of its files), then prune the oldest."""
+        ``files`` that of each of its files), then prune this run's oldest."""
         name = os.path.basename(path)
+        self.own.add(name)
         entry: dict[str, Any] = {"file": name, "crc32": checksum, "step": step}
         if files is not None:
             entry["files"] = files
         entries = [e for e in self.entries() if e["file"] != name] + [entry]
-        kept, dropped = entries[-self.keep :], entries[: -self.keep]
+        owned = [e for e in entries if e["file"] in self.own]
+        dropped = owned[: -self.keep]
+        kept = [e for e in entries if e not in dropped]  # another run's stay listed
         with _atomic_file(os.path.join(self.directory, MANIFEST)) as f:
             f.write(json.dumps(kept, indent=1).encode())
         for old in dropped:  # only now that the new checkpoint and manifest are durable
@@ -163,6 +188,7 @@ class CheckpointDir:
                 shutil.rmtree(old_path, ignore_errors=True)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(old_path)
+            self.own.discard(old["file"])
 
 
 def _not_a_manifest(path: str, why: str) -> str:

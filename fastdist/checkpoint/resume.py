@@ -1,7 +1,8 @@
 """Which checkpoint a run resumes from, chosen alike on every rank.
 
-Rank 0 reads the manifest, or checks the path it is given; the other ranks receive its plan,
-or its error. Then every rank checks its share of a candidate's
+Rank 0 reads the manifest and applies the rule that nothing saved is deleted by a later run: a
+run starts in a checkpoint directory that holds checkpoints only to continue them. The other
+ranks receive its plan, or its error. Then every rank checks its share of a candidate's
 checksums and loads the candidate's rest (``weights_only``); one all-gather per candidate tells
 every rank whether all of them succeeded. So every rank loads the same checkpoint, or raises
 the same error, before any rank enters a collective that the others would not join.
@@ -10,8 +11,9 @@ the same error, before any rank enters a collective that the others would not jo
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from fastdist.checkpoint.files import CheckpointDir, crc32, expected_checksums, load_checkpoint
 from fastdist.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
@@ -94,6 +96,7 @@ def _plan(resume: bool | str | os.PathLike, directory: CheckpointDir | None) -> 
         if directory is None:
             return Plan([])
         entries = directory.entries()
+        directory.adopt(entry["file"] for entry in entries)  # continued, hence this run's
         where = directory.directory
         return Plan(
             [
@@ -109,6 +112,8 @@ def _plan(resume: bool | str | os.PathLike, directory: CheckpointDir | None) -> 
             f"resume={path!r}: no such checkpoint file or directory; pass an existing one, or "
             "resume='auto' (the newest valid one in the checkpoint directory)"
         )
+    if directory is not None:
+        _check_may_start(directory, path)
     return Plan([]) if path is None else Plan([_named(path)], explicit=True)
 
 
@@ -118,3 +123,37 @@ def _named(path: str) -> Candidate:
     entries = CheckpointDir(parent, keep=1).entries()
     entry = next((e for e in entries if e["file"] == name), None)
     return Candidate(path, {} if entry is None else expected_checksums(parent, entry))
+
+
+def _check_may_start(directory: CheckpointDir, path: str | None) -> None:
+    """Refuse a run that would prune or overwrite checkpoints it does not continue: a fresh
+    start (``path`` ``None``) or one from elsewhere where the directory holds checkpoints, or
+    one from a checkpoint of the directory older than others there."""
+    held = directory.held()
+    if not held:
+        return
+    if path is None:
+        _refuse(directory, "checkpoints", held, "a fresh start (resume=False)")
+    name = os.path.basename(os.path.abspath(path))
+    if name not in held or not _same_dir(path, directory.directory):
+        _refuse(directory, "checkpoints", held, f"a run resumed from {path!r}")
+    newer = [other for other, step in held.items() if step > held[name]]
+    if newer:
+        _refuse(directory, f"checkpoints newer than {path!r}", newer, "this run")
+    directory.adopt(held)  # it continues the newest: the directory's checkpoints are its own
+
+
+def _refuse(directory: CheckpointDir, what: str, names: Iterable[str], run: str) -> NoReturn:
+    listed = sorted(names)
+    shown = ", ".join(listed[:3]) + (", ..." if len(listed) > 3 else "")
+    raise FileExistsError(
+        f"the checkpoint directory {directory.directory!r} already holds {what} ({shown}), "
+        f"which {run} would prune or overwrite: continue them with train(resume='auto'), "
+        "use another save_path/checkpoint_dir, or delete the old checkpoints yourself"
+    )
+
+
+def _same_dir(path: str, directory: str) -> bool:
+    """Whether ``path`` lies directly in ``directory`` (links resolved)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    return os.path.realpath(parent) == os.path.realpath(directory)
