@@ -12,7 +12,6 @@ are checked on 2 ranks by tests/workers/checkpoint_worker.py, in one launch.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -228,17 +227,34 @@ def keep_until(checkpoints: Path, step: int) -> None:
     manifest.write_text(json.dumps([entry for entry in entries if entry["step"] <= step]))
 
 
-def test_fsdp_checkpoint_of_two_ranks_resumes_on_one(tmp_path: Path) -> None:
-    """A partial (unpublished) newer checkpoint is skipped; DCP reshards 2 ranks' shards."""
-    first = launch(tmp_path, "fsdp", "first", "--kill-at", "6", check=False)
-    assert first.returncode != 0, first.describe()
-    partial = tmp_path / "fsdp" / "checkpoints" / ".tmp-step-00000003"
-    partial.mkdir()  # as if the ranks died while writing update 3's shards
-    resumed = launch(tmp_path, "fsdp", "resumed", nproc=1)
+def test_fsdp_checkpoint_of_two_ranks_resumes_on_one(straight: Path, tmp_path: Path) -> None:
+    """DCP reshards 2 ranks' checkpoint of update 2 onto one process, which then ends with the
+    parameters the 2 ranks ended with, to float64 rounding; a partial (unpublished) newer
+    checkpoint is skipped.
+
+    Why equal: rank r of 2 takes positions r, r + 2, ... of the epoch's order, so the 2
+    micro-batches of 4 that each rank adds to an update (update_every=2) are 16 consecutive
+    positions of it: those one process takes in 2 micro-batches of 8 (``--batch 8``), the same
+    global batch. Every update averages the gradient of the same 16 samples (each micro-batch
+    weighted by its share), the epochs have as many updates, so the learning rates match too.
+    The model has no dropout (``fsdp-exact``): its masks come from each rank's own generator.
+    Only the order of the sums differs.
+    """
+    shutil.copytree(straight / "fsdp-exact", tmp_path / "fsdp-exact")
+    checkpoints = tmp_path / "fsdp-exact" / "checkpoints"
+    keep_until(checkpoints, 2)
+    (checkpoints / ".tmp-step-00000003").mkdir()  # as if the ranks died writing update 3's
+    resumed = launch(tmp_path, "fsdp-exact", "resumed", "--batch", "8", nproc=1)
     assert "resuming a 2-process run on 1 processes" in resumed.output, resumed.describe()
-    result = rank_result(tmp_path, "fsdp", "resumed", 0)
+    assert "global batch now 16" in resumed.output
+    assert f"resumed from {checkpoints / 'step-00000002'}:" in resumed.output
+    result = rank_result(tmp_path, "fsdp-exact", "resumed", 0)
+    expected = [rank_result(straight, "fsdp-exact", "straight", rank) for rank in range(SIZE)]
+    assert expected[0]["full"] == expected[1]["full"], "the gathered model differs by rank"
     assert (result["start_step"], result["world_size"]) == (2, 1)
-    assert all(map(math.isfinite, result["final"]))
+    assert result["steps"] == expected[0]["steps"] == 10
+    diff = (torch.tensor(result["final"]) - torch.tensor(expected[0]["full"])).abs().max()
+    assert diff <= 1e-6, f"max |diff| {diff:.3g} from the 2-rank run's final parameters"
 
 
 def test_two_ranks_resumed_on_one_process_see_each_sample_once(tmp_path: Path) -> None:
