@@ -9,11 +9,11 @@ Layout of a checkpoint directory::
                            "files": {".metadata": ..., "__0_0.distcp": ..., "trainer.pt": ...}}]
 
 ``crc32`` is the CRC-32 of the file, or of a sharded checkpoint's ``trainer.pt``; ``files``
-(sharded checkpoints, since it was added) holds the CRC-32 of every file in it. A checkpoint is
-written to a temp file, checksummed, fsynced and renamed; only then is the manifest replaced
-the same way, and only then are this run's checkpoints beyond ``keep`` pruned. Files are
-created like any file of the user's (mode 0o666 less the umask). Loading verifies the
-checksums and uses ``torch.load(weights_only=True)``, which refuses pickled code.
+(sharded checkpoints; absent from entries of earlier versions) that of every file in it. A
+checkpoint is written to a temp file, checksummed, fsynced and renamed; only then is the
+manifest replaced the same way, and only then are this run's checkpoints beyond ``keep``
+pruned. Files are created like any file of the user's (mode 0o666 less the umask). Loading
+verifies the checksums and uses ``torch.load(weights_only=True)``, which refuses pickled code.
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ def _plain_name(name: Any) -> bool:
 
 
 def _valid_entry(entry: Any) -> bool:
+    """Whether ``entry`` is a manifest entry as :meth:`CheckpointDir.record` writes them."""
     if not isinstance(entry, dict) or not _plain_name(entry.get("file")):
         return False
     if not (isinstance(entry.get("crc32"), int) and isinstance(entry.get("step"), int)):
