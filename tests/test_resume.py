@@ -4,15 +4,15 @@ the same command ends with the parameters of a straight run, bit for bit.
 Every run trains tests/workers/resume_worker.py's float64 MLP with dropout (so the random
 generators must be restored), SGD with momentum (optimizer state) and a learning-rate callback
 (callback state), on 72 samples in micro-batches of 4: 9 per rank and epoch on 2 ranks, 2 epochs.
-The straight runs of every configuration are launched once per module.
+The straight runs of every configuration are launched once per module. Checkpoint files made
+wrong on disk (corrupt shards, a broken manifest, a directory of another run's checkpoints)
+are checked on 2 ranks by tests/workers/checkpoint_worker.py, in one launch.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import pickle
 import re
 import shutil
 import zlib
@@ -34,7 +34,8 @@ from launch import (
 from workers.resume_worker import N_SAMPLES, build_trainer
 
 WORKER = Path(__file__).resolve().parent / "workers" / "resume_worker.py"
-CONFIGS = "plain,accumulate,epoch-lr,fsdp,powersgd,local-sgd"  # resume_worker.CONFIGS
+CHECKPOINT_WORKER = WORKER.with_name("checkpoint_worker.py")
+CONFIGS = "plain,accumulate,epoch-lr,fsdp,fsdp-exact,powersgd,local-sgd"  # resume_worker.CONFIGS
 SIZE = 2  # processes of every torchrun launch
 
 pytestmark = pytest.mark.slow
@@ -215,17 +216,45 @@ def test_fsdp_restart_resumes_exactly_from_a_sharded_checkpoint(
     assert_matches_straight(straight, tmp_path, "fsdp", "job", first="job", restart=1)
 
 
-def test_fsdp_checkpoint_of_two_ranks_resumes_on_one(tmp_path: Path) -> None:
-    """A partial (unpublished) newer checkpoint is skipped; DCP reshards 2 ranks' shards."""
-    first = launch(tmp_path, "fsdp", "first", "--kill-at", "6", check=False)
-    assert first.returncode != 0, first.describe()
-    partial = tmp_path / "fsdp" / "checkpoints" / ".tmp-step-00000003"
-    partial.mkdir()  # as if the ranks died while writing update 3's shards
-    resumed = launch(tmp_path, "fsdp", "resumed", nproc=1)
+def keep_until(checkpoints: Path, step: int) -> None:
+    """Delete the checkpoints after update ``step``, files and manifest entries: as if the run
+    had died after writing the checkpoint of ``step``."""
+    manifest = checkpoints / "manifest.json"
+    entries = json.loads(manifest.read_text())
+    for entry in entries:
+        if entry["step"] > step:
+            shutil.rmtree(checkpoints / entry["file"])
+    manifest.write_text(json.dumps([entry for entry in entries if entry["step"] <= step]))
+
+
+def test_fsdp_checkpoint_of_two_ranks_resumes_on_one(straight: Path, tmp_path: Path) -> None:
+    """DCP reshards 2 ranks' checkpoint of update 2 onto one process, which then ends with the
+    parameters the 2 ranks ended with, to float64 rounding; a partial (unpublished) newer
+    checkpoint is skipped.
+
+    Why equal: rank r of 2 takes positions r, r + 2, ... of the epoch's order, so the 2
+    micro-batches of 4 that each rank adds to an update (update_every=2) are 16 consecutive
+    positions of it: those one process takes in 2 micro-batches of 8 (``--batch 8``), the same
+    global batch. Every update averages the gradient of the same 16 samples (each micro-batch
+    weighted by its share), the epochs have as many updates, so the learning rates match too.
+    The model has no dropout (``fsdp-exact``): its masks come from each rank's own generator.
+    Only the order of the sums differs.
+    """
+    shutil.copytree(straight / "fsdp-exact", tmp_path / "fsdp-exact")
+    checkpoints = tmp_path / "fsdp-exact" / "checkpoints"
+    keep_until(checkpoints, 2)
+    (checkpoints / ".tmp-step-00000003").mkdir()  # as if the ranks died writing update 3's
+    resumed = launch(tmp_path, "fsdp-exact", "resumed", "--batch", "8", nproc=1)
     assert "resuming a 2-process run on 1 processes" in resumed.output, resumed.describe()
-    result = rank_result(tmp_path, "fsdp", "resumed", 0)
+    assert "global batch now 16" in resumed.output
+    assert f"resumed from {checkpoints / 'step-00000002'}:" in resumed.output
+    result = rank_result(tmp_path, "fsdp-exact", "resumed", 0)
+    expected = [rank_result(straight, "fsdp-exact", "straight", rank) for rank in range(SIZE)]
+    assert expected[0]["full"] == expected[1]["full"], "the gathered model differs by rank"
     assert (result["start_step"], result["world_size"]) == (2, 1)
-    assert all(map(math.isfinite, result["final"]))
+    assert result["steps"] == expected[0]["steps"] == 10
+    diff = (torch.tensor(result["final"]) - torch.tensor(expected[0]["full"])).abs().max()
+    assert diff <= 1e-6, f"max |diff| {diff:.3g} from the 2-rank run's final parameters"
 
 
 def test_two_ranks_resumed_on_one_process_see_each_sample_once(tmp_path: Path) -> None:
@@ -268,6 +297,78 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(
     ), result.describe()
     assert f"resumed from {checkpoint_path(tmp_path, 'plain', 17)}" in result.output
     assert_matches_straight(straight, tmp_path, "plain", "after-truncation")
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` by relative path, with its bytes."""
+    files = (path for path in directory.rglob("*") if path.is_file())
+    return {str(path.relative_to(directory)): path.read_bytes() for path in files}
+
+
+def test_checkpoint_files_are_judged_alike_on_every_rank(straight: Path, tmp_path: Path) -> None:
+    """2 ranks, one launch, resume=... with files made wrong as a disk or a user can: every rank
+    raises the same error naming the file, before any collective (none hangs), or every rank
+    skips the same checkpoint. Each rank checks every other file of a sharded checkpoint (by
+    name: rank 1 checks ``__0_0.distcp``), so a shard that only rank 1 finds corrupt must make
+    rank 0 skip it too."""
+    source = straight / "fsdp-exact" / "checkpoints"
+
+    def copy(name: str) -> Path:
+        shutil.copytree(source, tmp_path / name / "checkpoints")
+        return tmp_path / name / "checkpoints"
+
+    held = copy("held")  # a finished run's checkpoints
+    before = snapshot(held)
+    missing = tmp_path / "nowhere" / "step-00000003"
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    broken = tmp_path / "broken-manifest" / "checkpoints"
+    broken.mkdir(parents=True)
+    (broken / "manifest.json").write_text('[{"file": "step-00000001", ')  # cut short
+    corrupt = copy("corrupt")
+    keep_until(corrupt, 3)
+    shard = corrupt / "step-00000003" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte flipped, as a bad disk does; the size stays
+    shard.write_bytes(bytes(data))
+    cases = {
+        "fresh": (held.parent, False),
+        "missing": (tmp_path / "a", str(missing)),
+        "garbage": (tmp_path / "b", str(garbage)),
+        "manifest": (broken.parent, "auto"),
+        "named-shard": (tmp_path / "c", str(corrupt / "step-00000003")),
+        "auto-shard": (corrupt.parent, "auto"),  # last: it trains, rewriting step 3
+    }
+    spec = [
+        {"name": name, "config": "fsdp-exact", "save_path": str(path), "resume": resume}
+        for name, (path, resume) in cases.items()
+    ]
+    (tmp_path / "cases.json").write_text(json.dumps(spec))
+    result = run_torchrun(CHECKPOINT_WORKER, SIZE, [str(tmp_path / "cases.json"), str(tmp_path)])
+
+    def error(case: str) -> str:
+        outcomes = [json.loads((tmp_path / f"{case}.rank{r}.json").read_text()) for r in (0, 1)]
+        assert outcomes[0] == outcomes[1], f"{case}: the ranks disagree: {outcomes}"
+        return outcomes[0]["error"]
+
+    fresh = error("fresh")
+    assert fresh.startswith(f"FileExistsError: the checkpoint directory '{held}' already holds")
+    for fix in ("resume='auto'", "another save_path/checkpoint_dir", "delete the old checkpoints"):
+        assert fix in fresh
+    assert snapshot(held) == before, "a refused run changed the checkpoints"
+    assert error("missing").startswith(f"FileNotFoundError: resume='{missing}': no such")
+    assert error("garbage").startswith(f"ValueError: resume='{garbage}' cannot be resumed")
+    assert error("manifest").startswith(f"ValueError: {broken / 'manifest.json'} is not a")
+    assert f"cannot be resumed from: {shard}: its CRC-32 does not match" in error("named-shard")
+
+    skipped = f"skipping checkpoint {corrupt / 'step-00000003'}: {shard}: its CRC-32 does not"
+    assert result.output.count(skipped) == 1, result.describe()  # rank 0 says it for both
+    assert f"resumed from {corrupt / 'step-00000002'}:" in result.output
+    for rank in range(SIZE):
+        got = json.loads((tmp_path / f"auto-shard.rank{rank}.json").read_text())
+        assert got["start_step"] == 2
+        expected = rank_result(straight, "fsdp-exact", "straight", rank)["final"]
+        assert_same_params(got["final"], expected, f"rank {rank} after the fallback")
 
 
 # ----- pre-emption -----
@@ -332,7 +433,7 @@ def test_checkpoint_with_pickled_code_is_refused(
     torch.save({"format": 1, "model": _Payload(marker)}, evil)
 
     trainer = build_trainer("plain", tmp_path / "explicit")
-    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+    with pytest.raises(ValueError, match=r"evil\.pt' cannot be resumed from: UnpicklingError"):
         trainer.train(resume=str(evil))
     assert not marker.exists()
 

@@ -272,7 +272,7 @@ def _by_key(saved: Any, keyed: dict[str, Callback], which: str) -> dict[str, Any
         raise ValueError(
             f"the checkpoint (format 1) holds {len(saved)} callbacks_{which} state(s) by "
             f"position but the trainer has {len(keyed)} callbacks_{which}: resume with the "
-            "callbacks of the run that wrote it, in its order, or start afresh with "
-            "train(resume=False) or another save_path"
+            "callbacks of the run that wrote it, in its order, or start afresh in another "
+            "save_path/checkpoint_dir"
         )
     return {}

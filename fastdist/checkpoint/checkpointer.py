@@ -20,8 +20,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fastdist.checkpoint.files import SHARDED_REST, CheckpointDir, atomic_save, load_checkpoint
+from fastdist.checkpoint.files import SHARDED_REST, CheckpointDir, atomic_save
 from fastdist.checkpoint.format1 import upgrade
+from fastdist.checkpoint.resume import choose
 from fastdist.checkpoint.sharded import load_shards, publish, write_shards
 from fastdist.distributed import gather_object, get_rank, get_world_size
 from fastdist.logging import logger
@@ -110,24 +111,38 @@ class Checkpointer:
         return path
 
     def _save_sharded(self, sharded: dict[str, Any], content: dict[str, Any], step: int) -> str:
-        """Shards by every rank into a temp dir, the rest by rank 0, one rename, the manifest."""
+        """Shards by every rank into a temp dir, the rest by rank 0, one rename, the manifest
+        with the CRC-32 of every file.
+
+        Each rank checksums the files it wrote, from its page cache and in parallel with the
+        others; one gather brings them to rank 0 and tells it that every rank has finished.
+        """
         assert self.dir is not None
         path = os.path.join(self.dir.directory, f"step-{step:08d}")
         tmp = os.path.join(self.dir.directory, f".tmp-step-{step:08d}")
         master = self.rank == 0
-        write_shards(sharded, tmp, master, self.group)
+        written = write_shards(sharded, tmp, master, self.group)
         if master:
-            crc32 = atomic_save(content, os.path.join(tmp, SHARDED_REST))
-        publish(tmp, path, self.group, master)  # after every rank finished writing
-        if master:
-            self.dir.record(path, crc32, step)
+            written[SHARDED_REST] = atomic_save(content, os.path.join(tmp, SHARDED_REST))
+        ranks = gather_object(written, self.group)
+        if ranks is None:
+            return path
+        files = dict(sorted(item for checksums in ranks for item in checksums.items()))
+        publish(tmp, path)
+        self.dir.record(path, files[SHARDED_REST], step, files)
         return path
 
     def restore(self, resume: bool | str | os.PathLike) -> Resumed | None:
-        """Restore every part from the checkpoint ``train(resume=...)`` asks for (a collective
-        for sharded parts): ``"auto"``: the newest valid one in the directory, if any; a path:
-        that one; ``False``: none. Return where it came from."""
-        found = self._find(resume)
+        """Restore every part from the checkpoint ``train(resume=...)`` asks for (a collective):
+        ``"auto"``: the newest in the directory that verifies, if any; a path: that one;
+        ``False``: none. Return where it came from.
+
+        Every rank restores the same checkpoint or raises the same error (see
+        :mod:`fastdist.checkpoint.resume`). A run may not prune or overwrite checkpoints it does
+        not continue: a fresh start, or a resume from elsewhere, in a directory that holds
+        checkpoints is refused.
+        """
+        found = choose(resume, self.dir, self.group)
         if found is None:
             return None
         saved, path = found
@@ -149,14 +164,6 @@ class Checkpointer:
                 part.obj.load_state_dict(sharded[part.name])
         return Resumed(path, checkpoint["world_size"])
 
-    def _find(self, resume: bool | str | os.PathLike) -> tuple[dict[str, Any], str] | None:
-        if resume is False:
-            return None
-        if resume == "auto":
-            return None if self.dir is None else self.dir.load_latest()
-        path = os.fspath(resume)  # type: ignore[arg-type]
-        return load_checkpoint(path), path
-
     def _check_saved(self, checkpoint: dict[str, Any], part: Part, path: str) -> None:
         """Raise (alike on every rank, before any collective) if ``part`` is not in the
         checkpoint as this run holds it."""
@@ -176,7 +183,8 @@ class Checkpointer:
             )
         raise ValueError(
             f"checkpoint {path} holds no {part.name!r} state: it was not written by this "
-            "trainer; pass another checkpoint, or start afresh with train(resume=False)"
+            "trainer; pass another checkpoint, or start afresh in another "
+            "save_path/checkpoint_dir"
         )
 
     def _scoped(self, scope: str) -> list[Part]:

@@ -4,12 +4,16 @@ Layout of a checkpoint directory::
 
     step-00000120.pt     torch.save of a dict of state dicts (tensors and plain data only)
     step-00000240/       a sharded checkpoint (see :mod:`fastdist.checkpoint.sharded`)
-    manifest.json        [{"file": "step-00000120.pt", "crc32": ..., "step": 120}, ...]
+    manifest.json        [{"file": "step-00000120.pt", "crc32": ..., "step": 120},
+                          {"file": "step-00000240", "crc32": ..., "step": 240,
+                           "files": {".metadata": ..., "__0_0.distcp": ..., "trainer.pt": ...}}]
 
-A checkpoint is written to a temp file, checksummed, fsynced and renamed; only then is the
-manifest replaced the same way, and only then are checkpoints beyond ``keep`` pruned. Loading
-verifies the checksum and uses
-``torch.load(weights_only=True)``, which refuses pickled code.
+``crc32`` is the CRC-32 of the file, or of a sharded checkpoint's ``trainer.pt``; ``files``
+(sharded checkpoints; absent from entries of earlier versions) that of every file in it. A
+checkpoint is written to a temp file, checksummed, fsynced and renamed; only then is the
+manifest replaced the same way, and only then are this run's checkpoints beyond ``keep``
+pruned. Files are created like any file of the user's (mode 0o666 less the umask). Loading
+verifies the checksums and uses ``torch.load(weights_only=True)``, which refuses pickled code.
 """
 
 from __future__ import annotations
@@ -17,35 +21,39 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
-import tempfile
+import uuid
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 import torch
 
-from fastdist.logging import logger
-
 MANIFEST = "manifest.json"
 SHARDED_REST = "trainer.pt"  # a sharded checkpoint's every part but the sharded ones
+_STEP_NAME = re.compile(r"step-(\d+)(\.pt)?$")  # a checkpoint's name, as this module writes it
 
 
 @contextlib.contextmanager
 def _atomic_file(path: str) -> Iterator[IO[bytes]]:
-    """Yield a temp file next to ``path``; on success fsync it and rename it over ``path``."""
+    """Yield a new temp file next to ``path``; on success fsync it and rename it over ``path``.
+
+    ``open(..., "xb")`` creates it with mode 0o666 less the umask, as the user's other files
+    (``tempfile.mkstemp`` would make it 0o600), without touching the process-wide umask.
+    """
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    os.close(fd)
+    tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
     try:
-        with open(tmp, "wb") as f:  # f.name is the temp file's path
+        with open(tmp, "xb") as f:  # f.name is the temp file's path
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
     fsync_dir(directory)
 
@@ -70,11 +78,12 @@ def atomic_save(obj: Any, path: str) -> int:
     with _atomic_file(path) as f:
         torch.save(obj, f)
         f.flush()
-        crc32 = _crc32(f.name)
-    return crc32
+        checksum = crc32(f.name)
+    return checksum
 
 
-def _crc32(path: str) -> int:
+def crc32(path: str) -> int:
+    """The CRC-32 of the file ``path``."""
     crc = 0
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -82,20 +91,74 @@ def _crc32(path: str) -> int:
     return crc
 
 
+def expected_checksums(directory: str, entry: dict[str, Any]) -> dict[str, int]:
+    """The CRC-32 of every file of the checkpoint a manifest ``entry`` names, by path: a
+    sharded checkpoint's files (entries written before ``files`` hold only ``trainer.pt``'s)."""
+    path = os.path.join(directory, entry["file"])
+    if "files" in entry:
+        return {os.path.join(path, name): crc for name, crc in entry["files"].items()}
+    return {_rest_file(path): entry["crc32"]}
+
+
+def _plain_name(name: Any) -> bool:
+    """Whether ``name`` names an entry of the directory itself (no path: pruning stays in it)."""
+    return isinstance(name, str) and os.path.basename(name) == name and name not in ("", ".", "..")
+
+
+def _valid_entry(entry: Any) -> bool:
+    """Whether ``entry`` is a manifest entry as :meth:`CheckpointDir.record` writes them."""
+    if not isinstance(entry, dict) or not _plain_name(entry.get("file")):
+        return False
+    if not (isinstance(entry.get("crc32"), int) and isinstance(entry.get("step"), int)):
+        return False
+    files = entry.get("files", {})
+    return isinstance(files, dict) and all(
+        _plain_name(name) and isinstance(crc, int) for name, crc in files.items()
+    )
+
+
 class CheckpointDir:
-    """The checkpoints of one run in ``directory``, newest last in the manifest."""
+    """The checkpoints of one run in ``directory``, newest last in the manifest.
+
+    Pruning removes only the run's own checkpoints: those it recorded, and those it adopted
+    (the directory's, when it continues them). On rank 0, which writes them.
+    """
 
     def __init__(self, directory: str, keep: int) -> None:
         self.directory = directory
         self.keep = keep
+        self.own: set[str] = set()
 
     def entries(self) -> list[dict[str, Any]]:
-        """Manifest entries, oldest first (empty when there is no manifest)."""
+        """Manifest entries, oldest first (empty when there is no manifest); a manifest that
+        is not one raises ``ValueError`` naming it."""
         path = os.path.join(self.directory, MANIFEST)
-        if not os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                entries = json.loads(f.read())
+        except FileNotFoundError:
             return []
-        with open(path) as f:
-            return list(json.load(f))
+        except ValueError as exc:  # invalid JSON or UTF-8
+            raise ValueError(_not_a_manifest(path, f"invalid JSON: {exc}")) from exc
+        if not isinstance(entries, list) or not all(map(_valid_entry, entries)):
+            shape = 'a list of {"file": name, "crc32": int, "step": int}'
+            raise ValueError(_not_a_manifest(path, f"it is not {shape}"))
+        return entries
+
+    def held(self) -> dict[str, int]:
+        """Every checkpoint the directory holds, by name, with its step: the manifest's and
+        any other ``step-*`` file or directory (an unrecorded one, a copied one)."""
+        found = {e["file"]: e["step"] for e in self.entries()}
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.directory):
+                match = _STEP_NAME.match(name)
+                if match:
+                    found.setdefault(name, int(match.group(1)))
+        return found
+
+    def adopt(self, names: Iterable[str]) -> None:
+        """Make the checkpoints ``names`` this run's own: the run continues them."""
+        self.own.update(names)
 
     def save(self, checkpoint: dict[str, Any], step: int) -> str:
         """Write ``checkpoint`` durably, record it in the manifest, prune old ones."""
@@ -103,13 +166,21 @@ class CheckpointDir:
         self.record(path, atomic_save(checkpoint, path), step)
         return path
 
-    def record(self, path: str, crc32: int, step: int) -> None:
-        """Name the durable checkpoint ``path`` (a file, or a sharded checkpoint's directory,
-        ``crc32`` that of its ``trainer.pt``) in the manifest, then prune the oldest."""
+    def record(
+        self, path: str, checksum: int, step: int, files: dict[str, int] | None = None
+    ) -> None:
+        """Name the durable checkpoint ``path`` in the manifest (a file, ``checksum`` its CRC-32;
+        or a sharded checkpoint's directory, ``checksum`` that of its ``trainer.pt`` and
+        ``files`` that of each of its files), then prune this run's oldest."""
         name = os.path.basename(path)
-        entries = [e for e in self.entries() if e["file"] != name]
-        entries.append({"file": name, "crc32": crc32, "step": step})
-        kept, dropped = entries[-self.keep :], entries[: -self.keep]
+        self.own.add(name)
+        entry: dict[str, Any] = {"file": name, "crc32": checksum, "step": step}
+        if files is not None:
+            entry["files"] = files
+        entries = [e for e in self.entries() if e["file"] != name] + [entry]
+        owned = [e for e in entries if e["file"] in self.own]
+        dropped = owned[: -self.keep]
+        kept = [e for e in entries if e not in dropped]  # another run's stay listed
         with _atomic_file(os.path.join(self.directory, MANIFEST)) as f:
             f.write(json.dumps(kept, indent=1).encode())
         for old in dropped:  # only now that the new checkpoint and manifest are durable
@@ -118,18 +189,14 @@ class CheckpointDir:
                 shutil.rmtree(old_path, ignore_errors=True)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(old_path)
+            self.own.discard(old["file"])
 
-    def load_latest(self) -> tuple[dict[str, Any], str] | None:
-        """The newest checkpoint that verifies and loads, with its path; warn on bad ones."""
-        for entry in reversed(self.entries()):
-            path = os.path.join(self.directory, entry["file"])
-            try:
-                if _crc32(_rest_file(path)) != entry["crc32"]:
-                    raise ValueError("its CRC-32 does not match the manifest (truncated?)")
-                return load_checkpoint(path), path
-            except Exception as exc:
-                logger.warning("skipping checkpoint %s: %s", path, exc)
-        return None
+
+def _not_a_manifest(path: str, why: str) -> str:
+    return (
+        f"{path} is not a checkpoint manifest ({why}): restore it, delete it (resume='auto' "
+        "then finds none of the checkpoints it listed), or use another save_path/checkpoint_dir"
+    )
 
 
 def _rest_file(path: str) -> str:

@@ -7,22 +7,27 @@ Layout of one checkpoint, a directory ``step-00000120/`` next to the manifest::
     trainer.pt                                  every other part (trainer, callbacks, RNGs...),
                                                 rank 0, torch.save of tensors and plain data
 
-All ranks write into ``.tmp-step-00000120/``; once every rank has finished, rank 0 publishes it
-with one rename, then updates the manifest. DCP reshards on load, so a checkpoint of N ranks
-resumes on M (the one-process run holds plain tensors).
+All ranks write into ``.tmp-step-00000120/`` and checksum what they wrote; once every rank has
+finished, rank 0 publishes it with one rename, then records it and the CRC-32 of each of its
+files in the manifest. DCP reshards on load, so a checkpoint of N ranks resumes on M (the
+one-process run holds plain tensors).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from fastdist.checkpoint.files import fsync_dir
+from fastdist.checkpoint.files import crc32, fsync_dir
 from fastdist.distributed import is_distributed
+
+METADATA = ".metadata"  # DCP's index of the shards, written by the coordinating rank 0
+_SHARD_FILE = re.compile(r"__(\d+)_")  # DCP's FileSystemWriter names rank R's files __R_*
 
 
 def _barrier(group: Any) -> None:
@@ -30,26 +35,47 @@ def _barrier(group: Any) -> None:
         dist.barrier(group=group)
 
 
-def write_shards(state: dict[str, Any], tmp_dir: str, is_master: bool, group: Any) -> None:
+def write_shards(
+    state: dict[str, Any], tmp_dir: str, is_master: bool, group: Any
+) -> dict[str, int]:
     """Every rank writes its shards of ``state`` (``{part name: state dict}``) into
-    ``tmp_dir``."""
+    ``tmp_dir``; return the CRC-32 of each file this rank wrote, by name (rank 0: with
+    ``.metadata`` and any file DCP names otherwise)."""
     if is_master:
         shutil.rmtree(tmp_dir, ignore_errors=True)  # a dead attempt's leftovers
         os.makedirs(tmp_dir)
     _barrier(group)
-    dcp.save(state, checkpoint_id=tmp_dir, process_group=group)
-
-
-def publish(tmp_dir: str, final_dir: str, group: Any, is_master: bool) -> None:
-    """After every rank finished writing: rank 0 renames ``tmp_dir`` to ``final_dir``."""
-    _barrier(group)
+    metadata = dcp.save(state, checkpoint_id=tmp_dir, process_group=group)
+    rank = dist.get_rank(group) if is_distributed() else 0
+    names = {info.relative_path for info in metadata.storage_data.values()}
+    mine = sorted(name for name in names if _writer(name) == rank)
     if is_master:
-        shutil.rmtree(final_dir, ignore_errors=True)
-        os.replace(tmp_dir, final_dir)
-        fsync_dir(os.path.dirname(final_dir))  # durable before the manifest names it
+        mine.append(METADATA)
+    return {name: crc32(os.path.join(tmp_dir, name)) for name in mine}
+
+
+def _writer(name: str) -> int:
+    """The rank that wrote the DCP file ``name``, so that it checksums the file while it is
+    in its page cache; rank 0 for a name of another form."""
+    match = _SHARD_FILE.match(name)
+    return int(match.group(1)) if match else 0
+
+
+def publish(tmp_dir: str, final_dir: str) -> None:
+    """Rank 0, once every rank has finished writing: rename ``tmp_dir`` to ``final_dir``."""
+    shutil.rmtree(final_dir, ignore_errors=True)
+    os.replace(tmp_dir, final_dir)
+    fsync_dir(os.path.dirname(final_dir))  # durable before the manifest names it
 
 
 def load_shards(state: dict[str, Any], path: str, group: Any = None) -> None:
     """Load ``path``'s shards in place into ``state`` (``{part name: state dict}`` of this
-    run's tensors), resharded to this run's layout."""
-    dcp.load(state, checkpoint_id=path, process_group=group)
+    run's tensors), resharded to this run's layout. DCP gathers every rank's read errors, so
+    a shard that does not load raises on every rank."""
+    try:
+        dcp.load(state, checkpoint_id=path, process_group=group)
+    except Exception as exc:
+        raise ValueError(
+            f"the shards of checkpoint {path} do not load ({type(exc).__name__}: {exc}); "
+            "resume from another checkpoint"
+        ) from exc

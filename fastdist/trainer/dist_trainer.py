@@ -185,7 +185,9 @@ class DistTrainer:
         Args:
             resume: ``"auto"`` continues from the newest valid checkpoint in the checkpoint
                 directory if there is one (so a restarted job resumes with the same command);
-                a path continues from that checkpoint; ``False`` starts afresh.
+                a path continues from that checkpoint; ``False`` starts afresh. A run that
+                would prune or overwrite checkpoints it does not continue (``False``, or a
+                path from elsewhere, where the checkpoint directory holds some) is refused.
 
         Returns:
             ``best_eval`` (dict or None), ``best_epoch``, ``best_step``, ``steps`` (optimizer

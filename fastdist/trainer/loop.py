@@ -265,7 +265,7 @@ class Loop:
                 state.global_step,
                 ""
                 if left != 0
-                else " (nothing left to train: resume=False or another save_path starts afresh)",
+                else " (nothing left to train: another save_path/checkpoint_dir starts afresh)",
             )
             if resumed.world_size != world.size:
                 logger.warning(

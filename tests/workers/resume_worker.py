@@ -2,7 +2,7 @@
 
 Usage (under torchrun, with or without restarts, or as a plain process)::
 
-    resume_worker.py OUT_DIR CONFIG[,CONFIG...] [--tag TAG] [--checkpoint-every K]
+    resume_worker.py OUT_DIR CONFIG[,CONFIG...] [--tag TAG] [--checkpoint-every K] [--batch B]
         [--kill-at M --kill-how exit|sigkill]
         [--sigterm-at S --sigterm-rank all|R]
 
@@ -13,8 +13,9 @@ go to ``OUT_DIR/CONFIG/checkpoints``. Files are named ``<TAG>-<restart>.rank<R>`
 
 * ``.ids.jsonl``: one line ``{"epoch", "step", "ids", "loss"}`` per completed update (its
   sample ids and summed micro-batch losses), flushed at once, so it survives the process dying.
-* ``.json``: the result (final parameters, the step training resumed at...) when ``train()``
-  returned, or ``{"exit_code", "step"}`` when it raised ``SystemExit`` (pre-emption).
+* ``.json``: the result (final parameters: this rank's shards and the whole model, the step
+  training resumed at...) when ``train()`` returned, or ``{"exit_code", "step"}`` when it raised
+  ``SystemExit`` (pre-emption).
 
 ``--kill-at M`` makes rank 1 die (``os._exit(1)`` or SIGKILL) before its ``M``-th micro-batch
 (counted from 1 in this process) and ``--sigterm-at S`` sends SIGTERM to the chosen ranks after
@@ -30,7 +31,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -43,27 +44,40 @@ from fastdist.callbacks import LRSchedulerCallback, WarmupCallback
 N_SAMPLES, BATCH, N_EPOCHS = 72, 4, 2  # 2 ranks: 36 samples = 9 micro-batches per epoch
 HIDDEN = 16
 KILL_RANK = 1
-# name -> (update_every, learning-rate schedule, strategy)
-CONFIGS: dict[str, tuple[int, str, Any]] = {
-    "plain": (1, "warmup", "ddp"),  # 9 updates per epoch on 2 ranks
-    "accumulate": (2, "warmup", "ddp"),  # windows of 2 micro-batches, a short last one: 5 updates
-    "epoch-lr": (1, "epoch", "ddp"),  # StepLR stepped at every epoch end
-    "fsdp": (2, "warmup", "fsdp"),  # as accumulate, sharded (DCP) checkpoints
+
+
+class Config(NamedTuple):
+    update_every: int
+    schedule: str  # of the learning rate: "warmup" (per update) or "epoch" (StepLR)
+    strategy: Any
+    dropout: float = 0.5
+    keep: int = 3  # keep_checkpoints
+
+
+CONFIGS: dict[str, Config] = {
+    "plain": Config(1, "warmup", "ddp"),  # 9 updates per epoch on 2 ranks
+    "accumulate": Config(2, "warmup", "ddp"),  # windows of 2 micro-batches, a short last: 5 updates
+    "epoch-lr": Config(1, "epoch", "ddp"),  # StepLR stepped at every epoch end
+    "fsdp": Config(2, "warmup", "fsdp"),  # as accumulate, sharded (DCP) checkpoints
+    # As fsdp, every checkpoint kept, without dropout (its masks come from each rank's own
+    # generator): a run resumed on another world size with the same global batch must end
+    # where this one does, to float64 rounding.
+    "fsdp-exact": Config(2, "warmup", "fsdp", dropout=0.0, keep=100),
     # PowerSGD compresses from update 11: its per-rank error feedback and Q matrices must resume.
-    "powersgd": (1, "warmup", DDP(comm_hook="powersgd")),
+    "powersgd": Config(1, "warmup", DDP(comm_hook="powersgd")),
     # Local SGD: after 4 updates, ranks step on their own and average every 4th update; each
     # rank's parameters and momentum between averagings must resume.
-    "local-sgd": (1, "warmup", DDP(average_every=4)),
+    "local-sgd": Config(1, "warmup", DDP(average_every=4)),
 }
 
 
 class DropNet(nn.Module):
     """A float64 MLP with dropout, so every resume must restore the random generators."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.5) -> None:
         super().__init__()
         self.hidden = nn.Linear(DIM, HIDDEN, dtype=torch.float64)
-        self.drop = nn.Dropout(0.5)
+        self.drop = nn.Dropout(dropout)
         self.out = nn.Linear(HIDDEN, CLASSES, dtype=torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,6 +88,12 @@ def flat_params(model: nn.Module) -> list[float]:
     """All parameters of ``model`` (this rank's shards under FSDP) as one flat list."""
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
     return torch.cat([p.detach().flatten() for p in local]).tolist()
+
+
+def full_params(model: nn.Module) -> list[float]:
+    """All parameters of ``model``, whole (FSDP's gathered: a collective), as one flat list."""
+    full = [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return torch.cat([p.detach().flatten() for p in full]).tolist()
 
 
 def first_attempt() -> bool:
@@ -147,11 +167,12 @@ def build_trainer(
     save_path: Path,
     checkpoint_every: int = 1,
     callbacks: list[Callback] | None = None,
+    batch: int = BATCH,
 ) -> DistTrainer:
     """The trainer of ``config``, built from fixed seeds (the same in every attempt)."""
-    update_every, schedule, strategy = CONFIGS[config]
+    update_every, schedule, strategy, dropout, keep = CONFIGS[config]
     torch.manual_seed(1234)  # the model's init and the first dropout masks
-    model = DropNet()
+    model = DropNet(dropout)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     if schedule == "warmup":
         lr_callback: Callback = WarmupCallback(warmup=0.3, schedule="linear")
@@ -164,7 +185,7 @@ def build_trainer(
         optimizer,
         loss=CrossEntropyLoss(),
         callbacks_all=[lr_callback, *(callbacks or [])],
-        batch_size_per_gpu=BATCH,
+        batch_size_per_gpu=batch,
         n_epochs=N_EPOCHS,
         update_every=update_every,
         print_every=2,
@@ -172,7 +193,7 @@ def build_trainer(
         use_tqdm=False,
         device="cpu",
         checkpoint_every=checkpoint_every,
-        keep_checkpoints=3,
+        keep_checkpoints=keep,
         strategy=strategy,
     )
 
@@ -195,7 +216,7 @@ def run(config: str, args: argparse.Namespace) -> None:
     if first_attempt():
         faults = Faults(args.kill_at, args.kill_how, args.sigterm_at, args.sigterm_rank)
     # The same callbacks in every attempt: a checkpoint holds one state per callback.
-    trainer = build_trainer(config, directory, args.checkpoint_every, [ids, faults])
+    trainer = build_trainer(config, directory, args.checkpoint_every, [ids, faults], args.batch)
     try:
         result = trainer.train()  # resume="auto": the same command resumes
     except SystemExit as exc:
@@ -208,6 +229,7 @@ def run(config: str, args: argparse.Namespace) -> None:
         directory / f"{prefix}.json",
         {
             "final": flat_params(trainer.model),
+            "full": full_params(trainer.model),
             "start_step": ids.start_step,
             "steps": result["steps"],
             "total_steps": trainer.state.total_steps,
@@ -222,6 +244,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("configs", help=f"comma-separated, of: {', '.join(CONFIGS)}")
     parser.add_argument("--tag", default="run")
     parser.add_argument("--checkpoint-every", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=BATCH, help="batch_size_per_gpu")
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--kill-how", choices=("exit", "sigkill"), default="exit")
     parser.add_argument("--sigterm-at", type=int, default=None)

@@ -1,0 +1,159 @@
+"""Which checkpoint a run resumes from, chosen alike on every rank.
+
+Rank 0 reads the manifest and applies the rule that nothing saved is deleted by a later run: a
+run starts in a checkpoint directory that holds checkpoints only to continue them. The other
+ranks receive its plan, or its error. Then every rank checks its share of a candidate's
+checksums and loads the candidate's rest (``weights_only``); one all-gather per candidate tells
+every rank whether all of them succeeded. So every rank loads the same checkpoint, or raises
+the same error, before any rank enters a collective that the others would not join.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from fastdist.checkpoint.files import CheckpointDir, crc32, expected_checksums, load_checkpoint
+from fastdist.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
+from fastdist.logging import logger
+
+#: The errors rank 0's plan may end in, raised as the same type on every rank.
+_ERRORS: dict[str, type[Exception]] = {
+    error.__name__: error
+    for error in (FileExistsError, FileNotFoundError, PermissionError, ValueError)
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A checkpoint to try, with the CRC-32 its manifest records for each file (by path)."""
+
+    path: str
+    checksums: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Rank 0's reading of ``resume``: the candidates, newest first, or the error to raise."""
+
+    candidates: list[Candidate]
+    explicit: bool = False  # resume=<path>: a failed check is an error, not a fallback
+    error: tuple[str, str] | None = None  # (exception type, message)
+
+
+def choose(
+    resume: bool | str | os.PathLike, directory: CheckpointDir | None, group: Any
+) -> tuple[dict[str, Any], str] | None:
+    """The checkpoint ``train(resume=...)`` continues from, loaded (its rest; the shards stay
+    on disk), and its path; ``None`` to start afresh. A collective of every rank."""
+    rank, world_size = get_rank(), get_world_size()
+    plan = broadcast_object(_plan_or_error(resume, directory) if rank == 0 else None, group=group)
+    if plan.error is not None:
+        kind, message = plan.error
+        raise _ERRORS.get(kind, RuntimeError)(message)
+    for candidate in plan.candidates:
+        problem, checkpoint = _verify(candidate, rank, world_size)
+        problem = next((p for p in all_gather_object(problem, group) if p is not None), None)
+        if problem is None:
+            assert checkpoint is not None
+            return checkpoint, candidate.path
+        if plan.explicit:
+            raise ValueError(
+                f"resume={candidate.path!r} cannot be resumed from: {problem}; pass another "
+                "checkpoint, or resume='auto' (the newest valid one in the checkpoint directory)"
+            )
+        if rank == 0:
+            logger.warning("skipping checkpoint %s: %s", candidate.path, problem)
+    return None
+
+
+def _verify(
+    candidate: Candidate, rank: int, world_size: int
+) -> tuple[str | None, dict[str, Any] | None]:
+    """Check this rank's share of ``candidate``'s files, then load its rest: what is wrong
+    (naming the file) and ``None``, or ``None`` and the checkpoint."""
+    try:
+        for path, expected in sorted(candidate.checksums.items())[rank::world_size]:
+            if crc32(path) != expected:
+                return f"{path}: its CRC-32 does not match the manifest (truncated?)", None
+        return None, load_checkpoint(candidate.path)
+    except Exception as exc:  # missing, unreadable, not a checkpoint: agreed on as a mismatch
+        return f"{type(exc).__name__}: {exc}", None
+
+
+def _plan_or_error(resume: bool | str | os.PathLike, directory: CheckpointDir | None) -> Plan:
+    try:
+        return _plan(resume, directory)
+    except Exception as exc:  # every rank raises it, rank 0 included
+        return Plan([], error=(type(exc).__name__, str(exc)))
+
+
+def _plan(resume: bool | str | os.PathLike, directory: CheckpointDir | None) -> Plan:
+    """Rank 0: what ``resume`` asks for, after the checks that need no other rank."""
+    if resume == "auto":
+        if directory is None:
+            return Plan([])
+        entries = directory.entries()
+        directory.adopt(entry["file"] for entry in entries)  # continued, hence this run's
+        where = directory.directory
+        return Plan(
+            [
+                Candidate(os.path.join(where, entry["file"]), expected_checksums(where, entry))
+                for entry in reversed(entries)
+            ]
+        )
+    if resume is not False and not isinstance(resume, (str, os.PathLike)):
+        raise ValueError(f"resume={resume!r}: pass 'auto', a checkpoint's path, or False")
+    path = None if resume is False else os.fspath(resume)
+    if path is not None and not os.path.exists(path):
+        raise FileNotFoundError(
+            f"resume={path!r}: no such checkpoint file or directory; pass an existing one, or "
+            "resume='auto' (the newest valid one in the checkpoint directory)"
+        )
+    if directory is not None:
+        _check_may_start(directory, path)
+    return Plan([]) if path is None else Plan([_named(path)], explicit=True)
+
+
+def _named(path: str) -> Candidate:
+    """``path`` with the checksums the manifest next to it records (none if it lists none)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    entries = CheckpointDir(parent, keep=1).entries()
+    entry = next((e for e in entries if e["file"] == name), None)
+    return Candidate(path, {} if entry is None else expected_checksums(parent, entry))
+
+
+def _check_may_start(directory: CheckpointDir, path: str | None) -> None:
+    """Refuse a run that would prune or overwrite checkpoints it does not continue: a fresh
+    start (``path`` ``None``) or one from elsewhere where the directory holds checkpoints, or
+    one from a checkpoint of the directory older than others there."""
+    held = directory.held()
+    if not held:
+        return
+    if path is None:
+        _refuse(directory, "checkpoints", held, "a fresh start (resume=False)")
+    name = os.path.basename(os.path.abspath(path))
+    if name not in held or not _same_dir(path, directory.directory):
+        _refuse(directory, "checkpoints", held, f"a run resumed from {path!r}")
+    newer = [other for other, step in held.items() if step > held[name]]
+    if newer:
+        _refuse(directory, f"checkpoints newer than {path!r}", newer, "this run")
+    directory.adopt(held)  # it continues the newest: the directory's checkpoints are its own
+
+
+def _refuse(directory: CheckpointDir, what: str, names: Iterable[str], run: str) -> NoReturn:
+    listed = sorted(names)
+    shown = ", ".join(listed[:3]) + (", ..." if len(listed) > 3 else "")
+    raise FileExistsError(
+        f"the checkpoint directory {directory.directory!r} already holds {what} ({shown}), "
+        f"which {run} would prune or overwrite: continue them with train(resume='auto'), "
+        "use another save_path/checkpoint_dir, or delete the old checkpoints yourself"
+    )
+
+
+def _same_dir(path: str, directory: str) -> bool:
+    """Whether ``path`` lies directly in ``directory`` (links resolved)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    return os.path.realpath(parent) == os.path.realpath(directory)

@@ -1,0 +1,194 @@
+"""Checkpoint files in one process, with real files: their modes, the checksums of every file
+of a sharded checkpoint, what a later run may do with an earlier run's checkpoints, and the
+errors that name a file the user gave. (The same on 2 ranks: tests/test_resume.py.)
+
+The trainer is tests/inprocess.py's: 24 samples in batches of 4, 6 updates an epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from inprocess import make_trainer
+
+from fastdist import DistTrainer
+from fastdist.callbacks import Callback
+from fastdist.checkpoint.files import CheckpointDir
+
+pytestmark = pytest.mark.usefixtures("no_dist_env")
+
+
+def trainer(save_path: Path | None, **kwargs: Any) -> DistTrainer:
+    """The in-process trainer, saving under ``save_path`` (if given)."""
+    path = None if save_path is None else str(save_path)
+    return make_trainer(Callback(), save_path=path, **kwargs)
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` by relative path, with its bytes."""
+    files = (path for path in directory.rglob("*") if path.is_file())
+    return {str(path.relative_to(directory)): path.read_bytes() for path in files}
+
+
+def manifest(checkpoints: Path) -> list[dict[str, Any]]:
+    return json.loads((checkpoints / "manifest.json").read_text())
+
+
+def flip_a_byte(path: Path) -> None:
+    """Corrupt ``path`` in the middle, as a bad disk would: its size stays."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_files_get_the_users_umask(tmp_path: Path) -> None:
+    """Checkpoints (a file; a sharded one's every file), the manifest and the best model are
+    created like the user's other files: 0o666 less the umask, not 0o600."""
+    old = os.umask(0o027)
+    try:
+        trainer(tmp_path / "ddp").train()
+        trainer(tmp_path / "fsdp", strategy="fsdp").train()
+    finally:
+        os.umask(old)
+    files = [path for path in tmp_path.rglob("*") if path.is_file()]
+    names = {path.name for path in files}
+    expected = {"step-00000006.pt", "manifest.json", ".metadata", "__0_0.distcp", "trainer.pt"}
+    assert expected <= names, names
+    assert len([path for path in files if path.name.startswith("best_")]) == 2, names
+    modes = {str(path.relative_to(tmp_path)): stat.S_IMODE(path.stat().st_mode) for path in files}
+    assert modes == dict.fromkeys(modes, 0o640)
+
+
+def test_a_fresh_start_never_deletes_earlier_checkpoints(tmp_path: Path) -> None:
+    """resume=False, or a checkpoint from elsewhere, where checkpoints are is refused before
+    training and changes nothing; continuing from the newest is allowed, and then the run's
+    pruning covers them."""
+    trainer(tmp_path, checkpoint_every=2).train()
+    checkpoints = tmp_path / "checkpoints"
+    assert [entry["step"] for entry in manifest(checkpoints)] == [4, 6]
+    before = snapshot(checkpoints)
+    holds = rf"the checkpoint directory '{checkpoints}' already holds checkpoints"
+    fixes = r"continue them with train\(resume='auto'\), use another save_path/checkpoint_dir, "
+    fixes += "or delete the old checkpoints yourself"
+    with pytest.raises(FileExistsError, match=rf"{holds} \(step-00000004.pt, step-00000006.pt\)"):
+        trainer(tmp_path).train(resume=False)
+    with pytest.raises(FileExistsError, match=rf"fresh start \(resume=False\) would .*: {fixes}"):
+        trainer(None, checkpoint_dir=str(checkpoints)).train(resume=False)
+    (checkpoints / "manifest.json").rename(tmp_path / "manifest.json")
+    with pytest.raises(FileExistsError, match=holds):  # step-* files without a manifest
+        trainer(tmp_path).train(resume=False)
+    (tmp_path / "manifest.json").rename(checkpoints / "manifest.json")
+
+    trainer(tmp_path / "other").train()
+    elsewhere = tmp_path / "other" / "checkpoints" / "step-00000006.pt"
+    with pytest.raises(FileExistsError, match=rf"which a run resumed from '{elsewhere}' would"):
+        trainer(tmp_path).train(resume=str(elsewhere))
+    older = checkpoints / "step-00000004.pt"
+    newer = rf"holds checkpoints newer than '{older}' \(step-00000006.pt\)"
+    with pytest.raises(FileExistsError, match=newer):
+        trainer(tmp_path).train(resume=str(older))
+    assert snapshot(checkpoints) == before
+
+    continued = trainer(tmp_path, checkpoint_every=2, n_epochs=2)
+    assert continued.train(resume=str(checkpoints / "step-00000006.pt"))["steps"] == 12
+    assert [entry["step"] for entry in manifest(checkpoints)] == [10, 12]
+    assert sorted(path.name for path in checkpoints.glob("step-*")) == [
+        "step-00000010.pt",
+        "step-00000012.pt",
+    ]
+
+
+def test_pruning_removes_only_the_runs_own_checkpoints(tmp_path: Path) -> None:
+    """A run prunes what it wrote and what it continues, never another run's checkpoint."""
+    CheckpointDir(str(tmp_path), keep=1).save({"run": 1}, 1)
+    later = CheckpointDir(str(tmp_path), keep=1)
+    for step in (2, 3):
+        later.save({"run": 2}, step)
+    assert [entry["step"] for entry in manifest(tmp_path)] == [1, 3]
+    assert sorted(path.name for path in tmp_path.glob("step-*")) == [
+        "step-00000001.pt",
+        "step-00000003.pt",
+    ]
+    later.adopt(["step-00000001.pt"])  # as when it continues them
+    later.save({"run": 2}, 4)
+    assert [entry["step"] for entry in manifest(tmp_path)] == [4]
+    assert [path.name for path in tmp_path.glob("step-*")] == ["step-00000004.pt"]
+
+
+def test_every_file_of_a_sharded_checkpoint_is_checksummed(
+    tmp_path: Path, log_lines: list[str]
+) -> None:
+    """The manifest holds the CRC-32 of every file of a sharded checkpoint. A corrupt shard
+    makes resume='auto' fall back to the checkpoint before, with a warning naming it, and a
+    resume from it by name an error naming it. Entries of before (``trainer.pt``'s CRC-32
+    only) still resume."""
+    trainer(tmp_path / "run", strategy="fsdp", checkpoint_every=3).train()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for entry in manifest(checkpoints):
+        files = (checkpoints / entry["file"]).iterdir()
+        assert entry["files"] == {path.name: zlib.crc32(path.read_bytes()) for path in files}
+        assert entry["crc32"] == entry["files"]["trainer.pt"]
+    assert set(entry["files"]) == {".metadata", "__0_0.distcp", "trainer.pt"}
+
+    old = tmp_path / "old" / "checkpoints"
+    shutil.copytree(checkpoints, old)
+    entries = [{k: v for k, v in entry.items() if k != "files"} for entry in manifest(old)]
+    (old / "manifest.json").write_text(json.dumps(entries))
+    assert trainer(old.parent, strategy="fsdp", n_epochs=2).train()["steps"] == 12
+    assert any(f"resumed from {old / 'step-00000006'}:" in line for line in log_lines)
+
+    shard = checkpoints / "step-00000006" / "__0_0.distcp"
+    flip_a_byte(shard)
+    named = rf"resume='{shard.parent}' cannot be resumed from: {shard}: its CRC-32 does not"
+    with pytest.raises(ValueError, match=named):
+        trainer(tmp_path / "new", strategy="fsdp").train(resume=str(shard.parent))
+    log_lines.clear()
+    assert trainer(checkpoints.parent, strategy="fsdp", n_epochs=2).train()["steps"] == 12
+    skipped = f"WARNING skipping checkpoint {shard.parent}: {shard}: its CRC-32 does not match"
+    assert any(line.startswith(skipped) for line in log_lines), log_lines
+    assert any(f"resumed from {checkpoints / 'step-00000003'}:" in line for line in log_lines)
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        pytest.param('[{"file": "step-00000003.pt", ', "invalid JSON", id="cut-short"),
+        pytest.param('{"file": "step-00000003.pt"}', "it is not a list of", id="not-a-list"),
+        pytest.param(
+            '[{"file": "../../x", "crc32": 1, "step": 3}]', "it is not a list of", id="a-path"
+        ),
+    ],
+)
+def test_a_broken_manifest_is_an_error_naming_it(tmp_path: Path, content: str, why: str) -> None:
+    """Whether the run would resume (auto) or start afresh (False): a manifest that is not
+    one is an error, not a silent fresh start or a failure at the first checkpoint."""
+    path = tmp_path / "checkpoints" / "manifest.json"
+    path.parent.mkdir()
+    path.write_text(content)
+    for resume in ("auto", False):
+        with pytest.raises(ValueError, match=rf"{path} is not a checkpoint manifest \({why}"):
+            trainer(tmp_path).train(resume=resume)
+    assert path.read_text() == content
+
+
+def test_a_file_given_as_resume_that_is_not_a_checkpoint_is_named(tmp_path: Path) -> None:
+    trainer(tmp_path / "run").train()
+    good = (tmp_path / "run" / "checkpoints" / "step-00000006.pt").read_bytes()
+    truncated, garbage = tmp_path / "truncated.pt", tmp_path / "garbage.pt"
+    truncated.write_bytes(good[: len(good) // 2])
+    garbage.write_bytes(b"\x00" * 100)
+    for path in (truncated, garbage):
+        with pytest.raises(ValueError, match=rf"resume='{path}' cannot be resumed from: "):
+            trainer(None).train(resume=str(path))
+    missing = tmp_path / "nowhere.pt"
+    with pytest.raises(FileNotFoundError, match=rf"resume='{missing}': no such checkpoint"):
+        trainer(None).train(resume=str(missing))
+    with pytest.raises(ValueError, match=r"resume=True: pass 'auto', a checkpoint's path, or"):
+        trainer(None).train(resume=True)
