@@ -28,17 +28,55 @@ def make_forward(model: nn.Module) -> Callable[[nn.Module, Any], Any]:
 
     Dict batches go in as keyword arguments matched to the parameters of ``model.forward``
     (all fields if it takes ``**kwargs``); tuple batches ``(x, ..., y)`` as ``module(x, ...)``;
-    a bare tensor as ``module(x)``.
+    a bare tensor as ``module(x)``. The first dict batch is checked against the parameters
+    (see :func:`check_batch_fields`); later ones are not, to keep every step cheap.
     """
-    params = inspect.signature(model.forward).parameters.values()
+    forward_name = f"{type(model).__name__}.forward"
+    params = list(inspect.signature(model.forward).parameters.values())
     takes_all = any(p.kind is p.VAR_KEYWORD for p in params)
     names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    unchecked = True
 
     def forward(module: nn.Module, batch: Any) -> Any:
+        nonlocal unchecked
         if isinstance(batch, Mapping):
+            if unchecked:
+                check_batch_fields(list(batch), params, forward_name)
+                unchecked = False
             return module(**(batch if takes_all else {k: batch[k] for k in names & batch.keys()}))
         if isinstance(batch, (list, tuple)):
             return module(*batch[:-1]) if len(batch) > 1 else module(batch[0])
         return module(batch)
 
     return forward
+
+
+def check_batch_fields(fields: list[Any], params: list[inspect.Parameter], name: str) -> None:
+    """Raise ``TypeError`` when a dict batch with ``fields`` cannot feed the forward ``name``
+    with ``params``: a parameter without a default is missing, or (without ``**kwargs``) no
+    field matches a parameter, so that nothing would reach the model."""
+    by_name = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params)
+    missing = [p.name for p in by_name if p.default is p.empty and p.name not in fields]
+    if missing:
+        problem = f"needs {', '.join(map(repr, missing))}, which the batch lacks"
+    elif not takes_all and not {p.name for p in by_name} & set(fields):
+        problem = "shares no name with the batch, so no field would reach the model"
+    else:
+        return
+    signature = ", ".join(_shown(p) for p in params)
+    raise TypeError(
+        f"{name}({signature}) {problem}: the batch's fields are {fields}. A dict batch is fed "
+        "to forward by name: rename the dataset's fields (or build them in collate_fn) to "
+        "forward's parameter names, or give forward **kwargs to take every field"
+    )
+
+
+def _shown(param: inspect.Parameter) -> str:
+    """A parameter as a signature shows it, without annotation or default value (their reprs
+    may hold addresses, which differ between ranks)."""
+    if param.kind is param.VAR_POSITIONAL:
+        return f"*{param.name}"
+    if param.kind is param.VAR_KEYWORD:
+        return f"**{param.name}"
+    return param.name + ("=..." if param.default is not param.empty else "")

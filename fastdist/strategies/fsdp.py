@@ -23,7 +23,7 @@ from torch.distributed.fsdp import (
 )
 
 from fastdist.checkpoint import PER_RANK, SHARDED
-from fastdist.checks import check_bool
+from fastdist.checks import check_bool, describe
 from fastdist.distributed import get_rank, get_world_size, is_distributed
 from fastdist.logging import logger
 from fastdist.strategies.base import Strategy
@@ -62,6 +62,26 @@ def switch_parameters(
         group["params"] = [new[old_names[id(p)]] for p in group["params"]]
 
 
+def check_wrap(wrap: Any) -> None:
+    """``FSDP(wrap=...)``: ``None`` or a list of ``nn.Module`` subclasses."""
+    if isinstance(wrap, type) and issubclass(wrap, nn.Module):
+        name = wrap.__name__
+        raise TypeError(f"wrap must be a list of nn.Module classes: pass a list, wrap=[{name}]")
+    if wrap is None:
+        return
+    if not isinstance(wrap, (list, tuple)):
+        raise TypeError(
+            f"wrap must be a list of nn.Module classes (the model's blocks) or None, got "
+            f"{describe(wrap)}"
+        )
+    for item in wrap:
+        if not (isinstance(item, type) and issubclass(item, nn.Module)):
+            hint = f": pass the class, {type(item).__name__}" if isinstance(item, nn.Module) else ""
+            raise TypeError(
+                f"wrap must hold nn.Module classes (the model's blocks), got {describe(item)}{hint}"
+            )
+
+
 class FSDP(Strategy):
     """Fully sharded data parallelism with torch's ``fully_shard`` (FSDP2).
 
@@ -94,13 +114,7 @@ class FSDP(Strategy):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
     ) -> None:
-        if wrap is not None and not (
-            isinstance(wrap, (list, tuple)) and all(isinstance(c, type) for c in wrap)
-        ):
-            raise TypeError(
-                f"wrap must be a list of nn.Module classes (the model's blocks) or None, got "
-                f"{wrap!r}"
-            )
+        check_wrap(wrap)
         check_bool("reshard_after_forward", reshard_after_forward)
         check_bool("cpu_offload", cpu_offload)
         self.wrap = wrap

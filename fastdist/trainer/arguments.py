@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Collection, Mapping, Sequence
+import inspect
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,10 +12,11 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, Sampler
 
-from fastdist.callbacks.callback import Callback
+from fastdist.callbacks.callback import Callback, state_keys
+from fastdist.checks import check_instance, check_list, check_writable_dir, describe
 from fastdist.distributed.env import get_local_rank, get_world_size, visible_gpu_count
 from fastdist.evaluation.validator import as_metric_list, resolve_metric_key
-from fastdist.losses import as_loss_fn
+from fastdist.losses import Loss, as_loss_fn
 from fastdist.metrics import Metric
 from fastdist.trainer.options import TrainerOptions
 
@@ -60,47 +62,56 @@ class Arguments:
 
 def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
     """Check every argument of ``DistTrainer`` (``given`` by name, ``extra``: keywords it
-    does not take); raise alike on every rank, before any collective."""
+    does not take); raise alike on every rank, before any collective. Last, every rank
+    checks that it can write to ``save_path`` and ``checkpoint_dir`` (creating nothing)."""
     reject_extra(extra, given)
     options = TrainerOptions.of(given)
     model, train_data, dev_data = given["model"], given["train_data"], given["dev_data"]
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_model(model)
     stream = isinstance(train_data, IterableDataset)
     if dev_data is not None:
         check_dataset("dev_data", dev_data)
     sampler, batch_sampler = given["sampler"], given["batch_sampler"]
-    check_samplers(sampler, batch_sampler, stream)
+    check_samplers(sampler, batch_sampler, stream, options.drop_last)
     if not stream:
         n_train = check_dataset("train_data", train_data)
         if sampler is None and batch_sampler is None:
             n_rank = n_train // get_world_size()
             check_enough_samples(n_rank, options.batch_size_per_gpu, options.drop_last)
-    metrics = as_metric_list(given["metrics"])
-    if dev_data is not None and not metrics:
-        raise ValueError("dev_data needs metrics=: pass e.g. metrics=AccuracyMetric()")
+    metrics = check_metrics(given["metrics"], dev_data is not None, options.metric_key)
     metric_key, larger_better = resolve_metric_key(options.metric_key, metrics)
     optimizer = given["optimizer"]
     if optimizer is None:
         optimizer = torch.optim.Adam(model.parameters(), lr=4e-3)
     check_optimizer(optimizer, model)
+    loss_fn = check_loss(given["loss"])
+    callbacks = check_callbacks(given["callbacks_all"], given["callbacks_master"])
+    collate_fn = given["collate_fn"]
+    if collate_fn is not None and not callable(collate_fn):
+        raise TypeError(
+            "collate_fn must be a function turning a list of samples into a batch, or None "
+            f"(torch's default_collate); got {describe(collate_fn)}"
+        )
     device = resolve_device(options.device)
     options.strategy.check(model, optimizer, device, options.amp)
+    for name in ("save_path", "checkpoint_dir"):
+        if getattr(options, name) is not None:
+            check_writable_dir(name, getattr(options, name))
     return Arguments(
         options=options,
         train_data=train_data,
         dev_data=dev_data,
         model=model,
         optimizer=optimizer,
-        loss_fn=as_loss_fn(given["loss"]),
+        loss_fn=loss_fn,
         metrics=metrics,
         metric_key=metric_key,
         larger_better=larger_better,
-        callbacks_all=check_callbacks("callbacks_all", given["callbacks_all"]),
-        callbacks_master=check_callbacks("callbacks_master", given["callbacks_master"]),
+        callbacks_all=callbacks[0],
+        callbacks_master=callbacks[1],
         sampler=sampler,
         batch_sampler=batch_sampler,
-        collate_fn=given["collate_fn"],
+        collate_fn=collate_fn,
         device=device,
     )
 
@@ -123,17 +134,33 @@ def reject_extra(extra: Mapping[str, Any], known: Collection[str]) -> None:
 
 def check_dataset(name: str, data: Any) -> int:
     """Return the size of a map-style dataset that holds at least one sample."""
-    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
-        raise TypeError(f"{name} must be a map-style dataset (with __len__ and __getitem__)")
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")) or isinstance(data, type):
+        stream = " or a stream (an IterableDataset)" if name == "train_data" else ""
+        raise TypeError(
+            f"{name} must be a map-style dataset (with __len__ and __getitem__){stream}, got "
+            f"{describe(data)}"
+        )
     if len(data) == 0:
         raise ValueError(f"{name} is empty: it must hold at least one sample")
     return len(data)
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        name = type(optimizer).__name__
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {name}")
+def check_model(model: Any) -> None:
+    """An ``nn.Module`` with something to train."""
+    check_instance("model", model, nn.Module, "a torch.nn.Module", "MyNet()")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"model ({type(model).__name__}) has no parameter that requires a gradient, so there "
+            "is nothing to train: pass the model to train, with its parameters unfrozen "
+            "(model.requires_grad_(True))"
+        )
+
+
+def check_optimizer(optimizer: Any, model: nn.Module) -> None:
+    """An optimizer instance stepping parameters of ``model`` only."""
+    what = "a torch.optim.Optimizer built from model.parameters() (or None: Adam, lr=4e-3)"
+    example = "torch.optim.AdamW(model.parameters(), lr=1e-3)"
+    check_instance("optimizer", optimizer, torch.optim.Optimizer, what, example)
     own = {id(p) for p in model.parameters()}
     foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
     if foreign:
@@ -143,17 +170,79 @@ def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         )
 
 
-def check_callbacks(name: str, callbacks: Sequence[Callback] | None) -> list[Callback]:
-    items = list(callbacks or [])
-    for cb in items:
-        if not isinstance(cb, Callback):
-            raise TypeError(f"{name} must hold fastdist Callback objects, got {type(cb).__name__}")
-    return items
+def check_loss(loss: Any) -> Callable[[Any, Any], Any]:
+    """The ``loss`` argument as ``fn(output, batch)``; a class, or a function that cannot be
+    called with two arguments, is refused here rather than at the first batch."""
+    if isinstance(loss, type):
+        name = loss.__name__
+        raise TypeError(f"loss={name} is a class: pass an instance, loss={name}()")
+    if callable(loss) and not isinstance(loss, (Loss, nn.Module)):
+        try:
+            inspect.signature(loss).bind(None, None)
+        except TypeError:
+            name = getattr(loss, "__name__", type(loss).__name__)
+            raise TypeError(
+                f"loss {name} cannot be called as loss(output, batch), the model's output and "
+                "the batch: give it those two parameters, e.g. def loss(output, batch): return "
+                "F.cross_entropy(output, batch['target'])"
+            ) from None
+        except ValueError:
+            pass  # no signature to read (a builtin): it is called as it is
+    return as_loss_fn(loss)
 
 
-def check_samplers(sampler: Any, batch_sampler: Any, stream: bool) -> None:
-    """At most one of them, each with ``__len__`` (this rank's samples or batches); none for a
-    stream (``stream``: train_data is an ``IterableDataset``)."""
+def check_metrics(metrics: Any, has_dev_data: bool, metric_key: str | None) -> list[Metric]:
+    """The ``metrics`` argument as a list; ``dev_data`` and ``metric_key`` need metrics."""
+    example = "metrics=AccuracyMetric() or metrics=[AccuracyMetric(), LossMetric()]"
+    if isinstance(metrics, (str, bytes)):
+        raise TypeError(f"metrics={metrics!r} is a name: pass metric objects, e.g. {example}")
+    if isinstance(metrics, Mapping):
+        items = list(metrics.values())
+    else:  # a list, or one metric (a generator is left to as_metric_list, unconsumed)
+        items = list(metrics) if isinstance(metrics, (list, tuple)) else [metrics]
+    for metric in items:
+        if isinstance(metric, type):
+            name = metric.__name__
+            raise TypeError(f"metrics holds the class {name}: pass an instance, {name}()")
+    checked = as_metric_list(metrics)
+    if has_dev_data and not checked:
+        raise ValueError(f"dev_data needs metrics=: pass e.g. {example}")
+    if metric_key is not None and not checked:
+        raise ValueError(
+            f"metric_key={metric_key!r} picks a result of metrics=, but there are none: pass "
+            f"metrics (e.g. {example}) with dev_data=, or leave metric_key out"
+        )
+    return checked
+
+
+def check_callbacks(callbacks_all: Any, callbacks_master: Any) -> tuple[list[Any], list[Any]]:
+    """Both callback lists: lists of ``Callback`` objects, each object in one place only and
+    each ``state_key`` once per list (on every rank: ``callbacks_master`` are checked here
+    too, though only rank 0 runs them)."""
+    lists = {
+        name: check_list(name, given, Callback, "fastdist Callback objects", "cb")
+        for name, given in (
+            ("callbacks_all", callbacks_all),
+            ("callbacks_master", callbacks_master),
+        )
+    }
+    seen: dict[int, str] = {}
+    for name, items in lists.items():
+        for cb in items:
+            if id(cb) in seen:
+                raise ValueError(
+                    f"the same {type(cb).__name__} object is given twice ({seen[id(cb)]} and "
+                    f"{name}): pass each callback once, or build a second one"
+                )
+            seen[id(cb)] = name
+        state_keys(items, name)  # raises on two callbacks with one state_key
+    return lists["callbacks_all"], lists["callbacks_master"]
+
+
+def check_samplers(sampler: Any, batch_sampler: Any, stream: bool, drop_last: bool) -> None:
+    """At most one of them, each with ``__len__`` (this rank's samples or batches) and
+    ``__iter__``; none for a stream (``stream``: train_data is an ``IterableDataset``); a batch
+    sampler makes the batches, so ``drop_last`` does not apply to it."""
     if stream and (sampler is not None or batch_sampler is not None):
         raise ValueError(
             "sampler= and batch_sampler= do not apply to a streaming train_data (an "
@@ -166,8 +255,20 @@ def check_samplers(sampler: Any, batch_sampler: Any, stream: bool) -> None:
         ("sampler", sampler, "samples"),
         ("batch_sampler", batch_sampler, "batches"),
     ):
-        if given is not None and not hasattr(given, "__len__"):
-            raise TypeError(f"{name} must have __len__ (the number of {unit} of this rank)")
+        if isinstance(given, type):
+            raise TypeError(
+                f"{name}={given.__name__} is a class: pass an instance, built for this rank"
+            )
+        if given is not None and not (hasattr(given, "__len__") and hasattr(given, "__iter__")):
+            raise TypeError(
+                f"{name} must be a sampler: an iterable with __len__ (the number of {unit} of "
+                f"this rank), got {describe(given)}"
+            )
+    if batch_sampler is not None and drop_last:
+        raise ValueError(
+            "drop_last=True does not apply with batch_sampler=, which makes every batch itself: "
+            "leave drop_last out (or drop short batches in the batch sampler)"
+        )
 
 
 def check_enough_samples(n_samples: int, batch_size: int, drop_last: bool) -> None:
@@ -193,10 +294,10 @@ def resolve_device(device: str | torch.device | None, gpu_count: int | None = No
         ValueError: a CUDA device that is not there.
     """
     gpu_count = visible_gpu_count() if gpu_count is None else gpu_count
-    if device in (None, "auto"):
+    if device is None or device == "auto":
         resolved = torch.device("cuda" if gpu_count else "cpu")
     else:
-        resolved = torch.device(device)
+        resolved = parse_device(device)
     if resolved.type != "cuda":
         return resolved
     if not gpu_count:
@@ -207,5 +308,23 @@ def resolve_device(device: str | torch.device | None, gpu_count: int | None = No
         raise ValueError(
             f"device={device!r} but {gpu_count} GPU(s) are visible (cuda:0 to "
             f"cuda:{gpu_count - 1}): pick one of those or set CUDA_VISIBLE_DEVICES"
+        )
+    return resolved
+
+
+def parse_device(device: Any) -> torch.device:
+    """``device`` (not ``"auto"``) as a CPU or CUDA ``torch.device``; another spelling, type or
+    kind of device raises an error naming the ones fastdist accepts."""
+    accepted = "'auto' (or None), 'cpu', 'cuda', 'cuda:N' or a torch.device of those"
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be {accepted}; got {describe(device)}")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:  # torch's message lists every device type it knows
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"device={describe(device)} is not a device fastdist trains on: pass {accepted} "
+            "(a GPU is 'cuda')"
         )
     return resolved

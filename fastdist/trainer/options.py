@@ -9,14 +9,21 @@ rank waiting in a collective.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from fastdist.checks import check_bool, check_choice, check_int, check_number
+from fastdist.checks import (
+    check_bool,
+    check_choice,
+    check_instance,
+    check_int,
+    check_number,
+    check_path,
+    describe,
+)
 from fastdist.data.workers import CONTEXTS
 from fastdist.strategies import Strategy, resolve_strategy
 
@@ -59,11 +66,19 @@ class TrainerOptions:
     def of(cls, arguments: Mapping[str, Any]) -> TrainerOptions:
         """The options among ``DistTrainer``'s ``arguments`` (by name), checked."""
         given = {f.name: arguments[f.name] for f in fields(cls)}
+        if not isinstance(given["strategy"], str):
+            what = "'ddp', 'fsdp' or a strategy object"
+            check_instance("strategy", given["strategy"], Strategy, what, "DDP(...)")
         given["strategy"] = resolve_strategy(given["strategy"])
         for name in ("save_path", "checkpoint_dir"):
-            if isinstance(given[name], os.PathLike):
-                given[name] = os.fspath(given[name])
-        if given["fp16"] and given["amp"] is None:  # fastNLP's switch
+            given[name] = check_path(name, given[name])
+        check_bool("fp16", given["fp16"])
+        if given["fp16"] and given["amp"] not in (None, "fp16"):
+            raise ValueError(
+                f"fp16=True and amp={describe(given['amp'])} ask for two precisions: pass only "
+                "amp='bf16' or amp='fp16' (fp16=True is the same as amp='fp16')"
+            )
+        if given["fp16"]:  # fastNLP's switch
             given["amp"] = "fp16"
         return cls(**given)
 
@@ -100,13 +115,23 @@ class TrainerOptions:
                 "gradients: use on_nonfinite='raise' with it"
             )
         if self.metric_key is not None and not isinstance(self.metric_key, str):
-            raise TypeError(
-                f"metric_key must be a str such as 'acc' or '-loss', got {self.metric_key!r}"
-            )
+            shown = describe(self.metric_key)
+            raise TypeError(f"metric_key must be a str such as 'acc' or '-loss', got {shown}")
         for name in ("save_path", "checkpoint_dir"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise TypeError(
-                    f"{name} must be a directory path or None, got {getattr(self, name)!r}"
+            check_path(name, getattr(self, name))  # of() made them str; writability: arguments
+        self._check_workers()
+
+    def _check_workers(self) -> None:
+        """The DataLoader worker options that only mean something with workers."""
+        for name, given in (
+            ("prefetch_factor", self.prefetch_factor is not None),
+            ("persistent_workers", self.persistent_workers),
+        ):
+            if given and self.num_workers == 0:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} applies to DataLoader worker processes, "
+                    "but num_workers=0 loads in the training process: set num_workers > 0, or "
+                    f"leave {name} out"
                 )
 
     @property

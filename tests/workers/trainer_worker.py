@@ -6,7 +6,7 @@ Usage (under torchrun or as a plain process)::
 
 Runs the named cases in order, one after another in the same process (group), and writes
 ``{"meta": ..., CASE: result, ...}`` as JSON to ``OUT_DIR/rank<R>.json``. Every case builds its
-data and model with the helpers below, which tests/workers/validation_worker.py and
+data and model with the helpers below, which tests/workers/bad_input_worker.py and
 tests/test_callbacks.py share.
 """
 
