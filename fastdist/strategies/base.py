@@ -32,8 +32,8 @@ class Strategy:
 
     #: Every rank must run equally many forwards (each forward is a collective).
     equal_forwards = False
-    #: The forward and backward wait for the other ranks (FSDP's all-gathers): a rank's
-    #: compute time then includes waiting for a slower one.
+    #: The forward, backward or step wait for the other ranks (FSDP's all-gathers, local
+    #: SGD's averaging): a rank's compute time then includes waiting for a slower one.
     waits_in_compute = False
     #: Ranks step on their own gradients between synchronisations (local SGD): every rank
     #: does not see the same gradients, so they cannot all skip the same non-finite update.
@@ -81,8 +81,9 @@ class Strategy:
         ``step`` (``check_sync_every`` compares them)."""
         return list(self.model.named_parameters())
 
-    def broadcast_buffers(self) -> None:
-        """Give every rank rank 0's buffers (batch-norm statistics) before evaluating."""
+    def before_evaluation(self) -> None:
+        """Make every rank's model the same one before it is evaluated or predicted with:
+        rank 0's buffers (batch-norm statistics, which each rank's forward updated)."""
         with torch.no_grad():
             broadcast_tensors(self.model.buffers(), group=self.group)
 

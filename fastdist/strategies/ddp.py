@@ -72,6 +72,7 @@ class DDP(Strategy):
         self.comm_hook = comm_hook
         self.average_every = average_every
         self.local_steps = average_every > 0
+        self.waits_in_compute = average_every > 0  # in the step's averaging
         self.powersgd: PowerSGD | None = None
         self.local_sgd: post_localSGD_hook.PostLocalSGDState | None = None
 
@@ -137,6 +138,13 @@ class DDP(Strategy):
         if self.local_sgd is not None and step > every and step % every == 0:
             group = self.group or dist.group.WORLD  # WORLD exists: DDP runs in a group
             average_parameters(self.model.parameters(), group)  # type: ignore[arg-type]
+
+    def before_evaluation(self) -> None:
+        """Under local SGD the ranks' parameters differ between averagings: they are averaged
+        (as at the end of a period) so that one model is evaluated, and kept as the best."""
+        if self.local_sgd is not None:
+            average_parameters(self.model.parameters(), self.group or dist.group.WORLD)  # type: ignore[arg-type]
+        super().before_evaluation()
 
     def replicas(self, step: int) -> list[tuple[str, torch.Tensor]]:
         """The parameters, where they must agree: always, or under local SGD only during the

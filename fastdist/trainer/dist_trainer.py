@@ -224,7 +224,7 @@ class DistTrainer:
         """
         board = self._loop.world.board
         board.publish(phase="predict")
-        self.strategy.broadcast_buffers()  # as evaluate() does
+        self.strategy.before_evaluation()  # as evaluate() does
         kwargs.setdefault("collate_fn", self._loop.run.validator.evaluator.collate_fn)
         kwargs.setdefault("num_workers", self.options.num_workers)
         kwargs.setdefault("multiprocessing_context", self.options.multiprocessing_context)

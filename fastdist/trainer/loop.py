@@ -191,9 +191,10 @@ class Loop:
         if data is None or not validator.evaluator.metrics:
             raise ValueError("evaluate() needs metrics= and data (or dev_data=) on the trainer")
         self.world.board.publish(phase="evaluate")
-        # Each rank's forward updated its own running statistics (batch norm); evaluate all
-        # shards with rank 0's, the buffers DDP would broadcast before the next forward.
-        self.strategy.broadcast_buffers()
+        # Every shard is scored by the same model: e.g. rank 0's batch-norm statistics, the
+        # buffers DDP would broadcast before the next forward (each rank's forward updated its
+        # own), and local SGD's parameters averaged.
+        self.strategy.before_evaluation()
         result = validator.evaluator.evaluate(data)
         self.world.board.move(phase="train")
         return result
