@@ -83,8 +83,10 @@ def run_torchrun(
     env: Mapping[str, str | None] | None = None,
     cwd: str | Path | None = None,
     check: bool = True,
+    max_restarts: int = 0,
 ) -> Result:
-    """Run ``script args`` under torchrun with ``nproc`` workers on 127.0.0.1.
+    """Run ``script args`` under torchrun with ``nproc`` workers on 127.0.0.1, restarted by
+    torchrun up to ``max_restarts`` times.
 
     Every rank's stdout and stderr go to torchrun's, so ``Result`` holds all ranks' output.
     With ``check`` a non-zero exit raises ``AssertionError`` showing that output. A launch that
@@ -92,7 +94,7 @@ def run_torchrun(
     """
     for _attempt in range(2):
         options = ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
-        cmd = torchrun_command(script, nproc, args, [*options, "--max-restarts=0"])
+        cmd = torchrun_command(script, nproc, args, [*options, f"--max-restarts={max_restarts}"])
         (result,) = run_together([Launch(cmd, env, cwd)], timeout)
         if result.returncode == 0 or "address already in use" not in result.output.lower():
             break
