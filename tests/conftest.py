@@ -7,6 +7,7 @@ shows that many GPUs and are skipped with the reason elsewhere.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections.abc import Iterator
@@ -58,3 +59,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if visible < needed:
             why = "torch.cuda.is_available() is False" if not visible else f"{visible} visible"
             item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPU(s): {why}"))
+
+
+@pytest.fixture(scope="session")
+def launcher_reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The final parameters of tests/workers/launcher_worker.py trained by torchrun on 2 ranks,
+    uninterrupted: what every launch of it must end with."""
+    from launch import TESTS_DIR, run_torchrun
+
+    out = tmp_path_factory.mktemp("launcher-reference")
+    run_torchrun(TESTS_DIR / "workers" / "launcher_worker.py", 2, [str(out)], timeout=180)
+    return json.loads((out / "0.rank0.json").read_text())["params"]

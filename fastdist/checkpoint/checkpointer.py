@@ -11,7 +11,9 @@ name, with a *scope* that says where its state lives:
   reshards them on load. ``state_dict()`` returns the state dict DCP loads into in place.
 
 The checkpointer saves what is registered and nothing else; it is a no-op without a
-directory, so the loop calls it unconditionally.
+directory, so the loop calls it unconditionally. A *mirror* (Ray Train's, see
+:mod:`fastdist.trainer.ray_report`) is handed every checkpoint written and may bring a newer
+one into the directory before an ``"auto"`` resume.
 """
 
 from __future__ import annotations
@@ -39,6 +41,18 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> None: ...
 
 
+class Mirror(Protocol):
+    """Another store of the checkpoints (a scheduler's), kept by the checkpointer."""
+
+    def fetch(self, directory: CheckpointDir) -> None:
+        """On rank 0 before an ``"auto"`` resume: bring the store's newest checkpoint into
+        ``directory`` unless it holds one as new (:meth:`CheckpointDir.import_newest`)."""
+
+    def publish(self, directory: CheckpointDir, path: str | None) -> None:
+        """On every rank after each save: hand over the checkpoint ``path`` of ``directory``
+        (rank 0's; ``None`` on the others)."""
+
+
 @dataclass(frozen=True)
 class Part:
     """A registered part: its name in the checkpoint, the object, its scope."""
@@ -64,12 +78,21 @@ class Checkpointer:
         every: also checkpoint every N optimizer updates (0: at epoch ends only).
         keep: how many of the newest checkpoints to keep.
         group: the process group of the checkpoint's collectives.
+        mirror: another store every checkpoint is handed to, and resumed from when newer.
     """
 
-    def __init__(self, directory: str | None, every: int, keep: int, group: Any = None) -> None:
+    def __init__(
+        self,
+        directory: str | None,
+        every: int,
+        keep: int,
+        group: Any = None,
+        mirror: Mirror | None = None,
+    ) -> None:
         self.dir = CheckpointDir(directory, keep) if directory else None
         self.every = every
         self.group = group
+        self.mirror = mirror
         self.rank, self.world_size = get_rank(), get_world_size()
         self.parts: dict[str, Part] = {}
 
@@ -101,14 +124,17 @@ class Checkpointer:
                 "sharded": [p.name for p in self._scoped(SHARDED)],
             }
         sharded = {p.name: p.obj.state_dict() for p in self._scoped(SHARDED)}
+        path = None
         if sharded:
             path = self._save_sharded(sharded, content, step)
         elif self.rank == 0:
             path = self.dir.save(content, step)
-        if self.rank != 0:
-            return None
-        logger.info("checkpoint written: %s", path)
-        return path
+        if self.rank == 0:
+            logger.info("checkpoint written: %s", path)
+        mine = path if self.rank == 0 else None
+        if self.mirror is not None:
+            self.mirror.publish(self.dir, mine)
+        return mine
 
     def _save_sharded(self, sharded: dict[str, Any], content: dict[str, Any], step: int) -> str:
         """Shards by every rank into a temp dir, the rest by rank 0, one rename, the manifest
@@ -142,7 +168,8 @@ class Checkpointer:
         not continue: a fresh start, or a resume from elsewhere, in a directory that holds
         checkpoints is refused.
         """
-        found = choose(resume, self.dir, self.group)
+        fetch = None if self.mirror is None else self.mirror.fetch
+        found = choose(resume, self.dir, self.group, fetch)
         if found is None:
             return None
         saved, path = found

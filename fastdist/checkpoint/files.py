@@ -25,7 +25,7 @@ import re
 import shutil
 import uuid
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
 
 import torch
@@ -190,6 +190,70 @@ class CheckpointDir:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(old_path)
             self.own.discard(old["file"])
+
+    def export(self, path: str, destination: str) -> None:
+        """Put this directory's checkpoint ``path`` and a manifest that lists it alone into the
+        empty directory ``destination`` on the same filesystem (hard links, else copies)."""
+        name = os.path.basename(path)
+        entry = next(e for e in self.entries() if e["file"] == name)
+        _copy(path, os.path.join(destination, name), os.link, shutil.copyfile)
+        with open(os.path.join(destination, MANIFEST), "w") as f:
+            json.dump([entry], f, indent=1)
+
+    def import_newest(self, source: str) -> int | None:
+        """Copy the newest checkpoint of the checkpoint directory ``source`` into this one,
+        with its manifest entry and checksums, unless this one holds one as new (then
+        ``None``); return its step. Written like a checkpoint: copied, fsynced, renamed,
+        recorded."""
+        entries = CheckpointDir(source, keep=1).entries()
+        if not entries:
+            return None
+        entry = entries[-1]
+        if max(self.held().values(), default=-1) >= entry["step"]:
+            return None
+        os.makedirs(self.directory, exist_ok=True)
+        tmp = os.path.join(self.directory, f".tmp-{uuid.uuid4().hex}-{entry['file']}")
+        try:
+            _copy(os.path.join(source, entry["file"]), tmp, _copy_synced)
+            path = os.path.join(self.directory, entry["file"])
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                _remove(tmp)
+            raise
+        fsync_dir(self.directory)
+        self.record(path, entry["crc32"], entry["step"], entry.get("files"))
+        return int(entry["step"])
+
+
+def _copy(source: str, target: str, *copy_file: Callable[[str, str], Any]) -> None:
+    """Copy the file or directory tree ``source`` to ``target`` with the first of ``copy_file``
+    that succeeds for each file (the last one's error is raised)."""
+    if os.path.isdir(source):
+        os.makedirs(target)
+        for name in sorted(os.listdir(source)):
+            _copy(os.path.join(source, name), os.path.join(target, name), *copy_file)
+        return
+    for i, copy in enumerate(copy_file):
+        try:
+            copy(source, target)
+            return
+        except OSError:  # e.g. no hard links across filesystems: the next one
+            if i == len(copy_file) - 1:
+                raise
+
+
+def _copy_synced(source: str, target: str) -> None:
+    shutil.copyfile(source, target)
+    with open(target, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
 
 
 def _not_a_manifest(path: str, why: str) -> str:

@@ -11,7 +11,7 @@ the same error, before any rank enters a collective that the others would not jo
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -43,13 +43,22 @@ class Plan:
     error: tuple[str, str] | None = None  # (exception type, message)
 
 
+#: Brings a newer checkpoint into the directory before an "auto" resume (a mirror's fetch).
+Fetch = Callable[[CheckpointDir], None]
+
+
 def choose(
-    resume: bool | str | os.PathLike, directory: CheckpointDir | None, group: Any
+    resume: bool | str | os.PathLike,
+    directory: CheckpointDir | None,
+    group: Any,
+    fetch: Fetch | None = None,
 ) -> tuple[dict[str, Any], str] | None:
     """The checkpoint ``train(resume=...)`` continues from, loaded (its rest; the shards stay
-    on disk), and its path; ``None`` to start afresh. A collective of every rank."""
+    on disk), and its path; ``None`` to start afresh. A collective of every rank. With
+    ``"auto"``, rank 0 first calls ``fetch`` (if any) on the directory."""
     rank, world_size = get_rank(), get_world_size()
-    plan = broadcast_object(_plan_or_error(resume, directory) if rank == 0 else None, group=group)
+    plan = _plan_or_error(resume, directory, fetch) if rank == 0 else None
+    plan = broadcast_object(plan, group=group)
     if plan.error is not None:
         kind, message = plan.error
         raise _ERRORS.get(kind, RuntimeError)(message)
@@ -83,18 +92,24 @@ def _verify(
         return f"{type(exc).__name__}: {exc}", None
 
 
-def _plan_or_error(resume: bool | str | os.PathLike, directory: CheckpointDir | None) -> Plan:
+def _plan_or_error(
+    resume: bool | str | os.PathLike, directory: CheckpointDir | None, fetch: Fetch | None
+) -> Plan:
     try:
-        return _plan(resume, directory)
+        return _plan(resume, directory, fetch)
     except Exception as exc:  # every rank raises it, rank 0 included
         return Plan([], error=(type(exc).__name__, str(exc)))
 
 
-def _plan(resume: bool | str | os.PathLike, directory: CheckpointDir | None) -> Plan:
+def _plan(
+    resume: bool | str | os.PathLike, directory: CheckpointDir | None, fetch: Fetch | None
+) -> Plan:
     """Rank 0: what ``resume`` asks for, after the checks that need no other rank."""
     if resume == "auto":
         if directory is None:
             return Plan([])
+        if fetch is not None:
+            fetch(directory)
         entries = directory.entries()
         directory.adopt(entry["file"] for entry in entries)  # continued, hence this run's
         where = directory.directory

@@ -1,7 +1,9 @@
 """Process-group lifecycle and rank queries, with a one-process fallback.
 
 Every function here works without a process group: then the world is one process of rank 0.
-Under torchrun the ranks come from its environment variables until a group exists.
+Under torchrun the ranks come from its environment variables until a group exists; under
+``srun`` from SLURM's (:mod:`~fastdist.distributed.slurm`), and in a Ray Train worker from Ray's
+context where its variables are missing (:mod:`~fastdist.distributed.ray_train`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from fastdist.distributed.ray_train import ray_train_context, torchrun_env_from_ray
 from fastdist.distributed.slurm import apply_slurm_env
 
 # Every variable torchrun sets for its workers.
@@ -46,8 +49,14 @@ apply_slurm_env()
 
 
 def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
+    value = os.environ.get(name) or _ray_env().get(name)
     return int(value) if value else default
+
+
+def _ray_env() -> dict[str, str]:
+    """The torchrun variables a Ray Train worker's context implies (none elsewhere)."""
+    context = ray_train_context()
+    return {} if context is None else torchrun_env_from_ray(context)
 
 
 def get_rank() -> int:

@@ -33,6 +33,7 @@ from fastdist.distributed import (
     new_gloo_group,
 )
 from fastdist.distributed.position import PositionBoard
+from fastdist.distributed.ray_train import in_ray_train
 from fastdist.distributed.storage import check_shared_dirs
 from fastdist.evaluation.best_model import BestModel
 from fastdist.evaluation.evaluator import Evaluator
@@ -46,6 +47,7 @@ from fastdist.trainer.loss_tracker import LossTracker
 from fastdist.trainer.options import TrainerOptions
 from fastdist.trainer.precision import Precision
 from fastdist.trainer.preemption import SigtermFlag
+from fastdist.trainer.ray_report import RayReport
 from fastdist.trainer.safety import check_even_shards
 from fastdist.trainer.sync import Sync
 from fastdist.trainer.timing import RankTimer, SlowRankReport
@@ -93,6 +95,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
     args = check_all(given, extra)  # alike on every rank, before any collective
     options, device = args.options, args.device
     precision = Precision(options.amp, device)  # refuses fp16 without CUDA
+    sigterm = SigtermFlag()
     world = _form_world(options, device)
     model = args.model.to(device)
     forward = make_forward(model)  # from the signature, before compiling
@@ -108,7 +111,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
     if is_multi_node():
         shared = [("save_path", options.save_path), ("checkpoint_dir", options.checkpoint_dir)]
         check_shared_dirs([(name, path) for name, path in shared if path], world.group)
-    losses, sigterm = LossTracker(device), SigtermFlag()
+    losses, state = LossTracker(device), TrainerState(n_epochs=options.n_epochs)
     raise_nonfinite = options.on_nonfinite == "raise"
     run = Run(
         options=options,
@@ -122,9 +125,9 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
         data=data,
         validator=_validator(args, strategy, forward, world.group),
         callbacks=_callbacks(args, world.rank == 0),
-        checkpointer=_checkpointer(options, world.group),
+        checkpointer=_checkpointer(options, world.group, state),
         rng=RandomState(world.rank),
-        state=TrainerState(n_epochs=options.n_epochs),
+        state=state,
         losses=losses,
         timer=timer,
         slow_ranks=SlowRankReport(
@@ -233,12 +236,21 @@ def _callbacks(args: Arguments, is_master: bool) -> CallbackList:
     return CallbackList(args.callbacks_all, master, is_master, guard_master=is_distributed())
 
 
-def _checkpointer(options: TrainerOptions, group: Any) -> Checkpointer:
-    """Checkpoints in ``checkpoint_dir``, else ``<save_path>/checkpoints``, else none."""
+def _checkpointer(options: TrainerOptions, group: Any, state: TrainerState) -> Checkpointer:
+    """Checkpoints in ``checkpoint_dir``, else ``<save_path>/checkpoints``, else none; in a
+    Ray Train worker also reported to Ray (:mod:`~fastdist.trainer.ray_report`)."""
     directory = options.checkpoint_dir
     if directory is None and options.save_path is not None:
         directory = os.path.join(options.save_path, "checkpoints")
-    return Checkpointer(directory, options.checkpoint_every, options.keep_checkpoints, group)
+    mirror = RayReport(state) if in_ray_train() else None
+    if mirror is not None and directory is None:
+        logger.warning(
+            "running under Ray Train without save_path or checkpoint_dir: no checkpoint is "
+            "written, so none reaches Ray (result.checkpoint and result.metrics stay None) and "
+            "a restarted worker starts from the beginning; pass save_path= to resume"
+        )
+    every, keep = options.checkpoint_every, options.keep_checkpoints
+    return Checkpointer(directory, every, keep, group, mirror)
 
 
 def _register_parts(run: Run) -> None:

@@ -168,6 +168,7 @@ def build_trainer(
     checkpoint_every: int = 1,
     callbacks: list[Callback] | None = None,
     batch: int = BATCH,
+    callbacks_master: list[Callback] | None = None,
 ) -> DistTrainer:
     """The trainer of ``config``, built from fixed seeds (the same in every attempt)."""
     update_every, schedule, strategy, dropout, keep = CONFIGS[config]
@@ -185,6 +186,7 @@ def build_trainer(
         optimizer,
         loss=CrossEntropyLoss(),
         callbacks_all=[lr_callback, *(callbacks or [])],
+        callbacks_master=callbacks_master,
         batch_size_per_gpu=batch,
         n_epochs=N_EPOCHS,
         update_every=update_every,
