@@ -1,10 +1,17 @@
-"""Forming the group under SLURM's ``srun`` without torchrun, from SLURM's variables."""
+"""SLURM: the group formed under ``srun`` without torchrun, from SLURM's variables; the signal
+that asks a job to checkpoint and requeue itself, and the requeue."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-from collections.abc import MutableMapping
+import signal
+import subprocess
+from collections.abc import Mapping, MutableMapping
+
+# The fastdist logger (fastdist.logging configures it; this layer sits below it).
+logger = logging.getLogger("fastdist")
 
 DEFAULT_PORT = 29500
 
@@ -46,3 +53,71 @@ def apply_slurm_env(env: MutableMapping[str, str] = os.environ) -> bool:
     implied = torchrun_env_from_slurm(env)
     env.update(implied)
     return bool(implied)
+
+
+#: Names the signal after which a SLURM job checkpoints and requeues itself.
+REQUEUE_SIGNAL_VAR = "FASTDIST_REQUEUE_SIGNAL"
+#: Signals that cannot be the requeue signal: they cannot be caught, or already mean something.
+_RESERVED = (signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM, signal.SIGINT)
+
+
+def requeue_signal(env: Mapping[str, str] = os.environ) -> signal.Signals | None:
+    """The signal after which the trainer checkpoints and requeues its SLURM job.
+
+    In a SLURM job (``SLURM_JOB_ID`` set) it is ``SIGUSR1``, the one ``#SBATCH
+    --signal=B:USR1@90`` sends before the time limit, unless ``FASTDIST_REQUEUE_SIGNAL`` names
+    another (``USR2``, ``SIGUSR2`` or its number) or ``none``. Outside SLURM there is none.
+
+    Raises:
+        ValueError: ``FASTDIST_REQUEUE_SIGNAL`` names no signal that can be caught, or
+            SIGTERM/SIGINT (they stop without a requeue).
+    """
+    if "SLURM_JOB_ID" not in env:
+        return None
+    given = env.get(REQUEUE_SIGNAL_VAR, "USR1").strip()
+    if given.lower() in ("", "none"):
+        return None
+    name = given.upper() if given.upper().startswith("SIG") else "SIG" + given.upper()
+    try:
+        chosen = signal.Signals(int(given)) if given.isdigit() else signal.Signals[name]
+    except (KeyError, ValueError):
+        chosen = None
+    if chosen is None or chosen in _RESERVED:
+        raise ValueError(
+            f"{REQUEUE_SIGNAL_VAR}={given!r} is not a signal the trainer can requeue on: name "
+            "one that #SBATCH --signal= sends and that can be caught, e.g. USR1 (the default) "
+            "or USR2, or 'none' to turn requeueing off (SIGTERM and SIGINT already stop a run "
+            "with a checkpoint, without a requeue)"
+        )
+    return chosen
+
+
+def job_to_requeue(env: Mapping[str, str] = os.environ) -> str:
+    """The SLURM job id ``scontrol requeue`` takes for this job (an array task's included)."""
+    array_job, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    return f"{array_job}_{task}" if array_job and task else env["SLURM_JOB_ID"]
+
+
+def requeue_job(env: Mapping[str, str] = os.environ) -> bool:
+    """``scontrol requeue`` this job, as Lightning's ``auto_requeue`` does: SLURM stops it and
+    queues it again (it waits for its begin time, 2 minutes by default). Return whether SLURM
+    accepted; a refusal is logged with scontrol's answer."""
+    job = job_to_requeue(env)
+    try:
+        done = subprocess.run(
+            ["scontrol", "requeue", job], capture_output=True, text=True, timeout=60
+        )
+        failure = None if done.returncode == 0 else (done.stderr or done.stdout).strip()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        failure = f"{type(exc).__name__}: {exc}"
+    if failure is not None:
+        logger.error(
+            "scontrol requeue %s failed, so the job is not requeued (%s): submit it again to "
+            "resume; a job submitted with --no-requeue, or a cluster with JobRequeue=0, needs "
+            "sbatch --requeue",
+            job,
+            failure,
+        )
+        return False
+    logger.warning("requeued SLURM job %s: when it runs again it resumes from the checkpoint", job)
+    return True

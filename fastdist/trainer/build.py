@@ -95,7 +95,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
     args = check_all(given, extra)  # alike on every rank, before any collective
     options, device = args.options, args.device
     precision = Precision(options.amp, device)  # refuses fp16 without CUDA
-    sigterm = SigtermFlag()
+    sigterm = SigtermFlag()  # refuses a bad FASTDIST_REQUEUE_SIGNAL
     world = _form_world(options, device)
     model = args.model.to(device)
     forward = make_forward(model)  # from the signature, before compiling

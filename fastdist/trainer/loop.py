@@ -19,7 +19,7 @@ from fastdist.distributed import broadcast_object
 from fastdist.logging import logger
 from fastdist.trainer.build import Run
 from fastdist.trainer.failure import report_failure
-from fastdist.trainer.preemption import SIGTERM_EXIT_CODE
+from fastdist.trainer.preemption import SIGTERM_EXIT_CODE, requeue
 from fastdist.trainer.progress import Progress
 from fastdist.trainer.safety import all_finite, check_in_sync, failing_ranks
 from fastdist.trainer.sync import Agreement
@@ -181,6 +181,7 @@ class Loop:
             self.run.sigterm.settle()  # every rank is here: the checkpoint may take its time
         if agreed.stop:
             why = "SIGTERM received" if agreed.preempted else "stop requested"
+            why = "the requeue signal received" if agreed.requeue else why
             logger.info("%s; stopping at step %d", why, state.global_step)
         return agreed
 
@@ -229,6 +230,8 @@ class Loop:
             if agreed.preempted:
                 self._save_checkpoint()
                 logger.warning("pre-empted: checkpoint written at step %d", state.global_step)
+                if agreed.requeue:  # SLURM's time-limit signal: the job runs again, resumed
+                    requeue(self.world.rank == 0, self.run.checkpointer.dir is not None)
                 raise SystemExit(SIGTERM_EXIT_CODE)
             self._end()
         except Exception as exc:

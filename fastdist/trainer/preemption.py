@@ -1,4 +1,5 @@
-"""Noting a SIGTERM (pre-emption, or torchrun stopping the job) instead of dying at once."""
+"""Noting a SIGTERM (pre-emption, or torchrun stopping the job) or SLURM's requeue signal
+instead of dying at once."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from fastdist.distributed.slurm import requeue_job, requeue_signal
 from fastdist.logging import logger
 
 #: Seconds a rank waits, after SIGTERM, for the ranks to agree to stop (at the next log step,
@@ -21,17 +23,25 @@ SIGTERM_EXIT_CODE = 143
 
 
 class SigtermFlag:
-    """``with flag.watching():`` sets ``flag.received`` on SIGTERM; the old handler returns
+    """``with flag.watching():`` sets ``flag.received`` on SIGTERM, and also ``flag.requeue``
+    on the requeue signal of a SLURM job (see
+    :func:`~fastdist.distributed.slurm.requeue_signal`, read when the flag is made: a bad
+    ``FASTDIST_REQUEUE_SIGNAL`` raises alike on every rank); the old handlers return
     afterwards. Outside the main thread (where signals cannot be handled) it watches nothing.
 
     The ranks act on the flag once they agree at a sync point. A rank that has not agreed
-    :data:`GRACE_S` seconds after the signal (a peer died, or this rank is stuck far from a
-    sync point) logs why and exits with :data:`SIGTERM_EXIT_CODE`; :meth:`settle` cancels that.
+    :data:`GRACE_S` seconds after SIGTERM (a peer died, or this rank is stuck far from a sync
+    point) logs why and exits with :data:`SIGTERM_EXIT_CODE`; :meth:`settle` cancels that. The
+    requeue signal sets no such deadline: it comes early (``--signal=B:USR1@90``: 90 s before
+    the time limit), and the time limit bounds the wait.
     """
 
     def __init__(self) -> None:
         self.received = False
+        self.requeue = False
+        self.requeue_signal = requeue_signal()
         self._deadline: threading.Timer | None = None
+        self._settled = False
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -40,24 +50,44 @@ class SigtermFlag:
             return
 
         def note(signum: int, frame: Any) -> None:
-            if not self.received:
-                self.received = True
+            self.received = True
+            if signum != signal.SIGTERM:
+                self.requeue = True
+            elif self._deadline is None and not self._settled:  # the first SIGTERM
                 self._deadline = threading.Timer(GRACE_S, _give_up)
                 self._deadline.daemon = True
                 self._deadline.start()
 
-        previous = signal.signal(signal.SIGTERM, note)
+        watched = [signal.SIGTERM] + ([self.requeue_signal] if self.requeue_signal else [])
+        previous = {signum: signal.signal(signum, note) for signum in watched}
         try:
             yield
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
             self.settle()
 
     def settle(self) -> None:
         """The ranks agreed to stop (or training is over): no deadline any more."""
+        self._settled = True
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+
+
+def requeue(is_master: bool, checkpointed: bool) -> None:
+    """After the requeue signal's checkpoint: rank 0 requeues the SLURM job, which resumes from
+    that checkpoint when it runs again. A run without checkpoints is not requeued: it would
+    start from the beginning each time."""
+    if not is_master:
+        return
+    if not checkpointed:
+        logger.warning(
+            "the requeue signal came, but this run writes no checkpoints (no save_path or "
+            "checkpoint_dir): the SLURM job is not requeued, as it would start over"
+        )
+        return
+    requeue_job()
 
 
 def _give_up() -> None:

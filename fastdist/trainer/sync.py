@@ -2,10 +2,10 @@
 
 At a log step, before and after an evaluation, at a checkpoint and at the end of training,
 every rank contributes its training-loss sum and count, its flags (stop requested, SIGTERM
-received, non-finite parameters) and its time split (see :mod:`fastdist.trainer.timing`); one
-all-reduce of ``5 + 3 * world_size`` numbers gives every rank all of them. The caller acts on
-the returned :class:`Agreement`; nothing is set behind its back, and nothing agreed here is
-ever checkpointed.
+received, requeue signal received, non-finite parameters) and its time split (see
+:mod:`fastdist.trainer.timing`); one all-reduce of ``6 + 3 * world_size`` numbers gives every
+rank all of them. The caller acts on the returned :class:`Agreement`; nothing is set behind its
+back, and nothing agreed here is ever checkpointed.
 """
 
 from __future__ import annotations
@@ -31,17 +31,21 @@ class Agreement:
 
     Attributes:
         stop_requested: some rank asked to stop (:meth:`DistTrainer.request_stop`).
-        preempted: some rank got SIGTERM (a pre-emption: checkpoint, then exit).
+        preempted: some rank got SIGTERM or the requeue signal (a pre-emption: checkpoint,
+            then exit).
         loss: the mean training loss over all ranks since the last read (when asked to read
             it and some update ran), else ``None``.
         rank_times: every rank's mean time split per update since the last sync that covered
             updates, and how many updates it covers; ``None`` if none ran.
+        requeue: some rank got the requeue signal of a SLURM job (after the checkpoint, the
+            job requeues itself).
     """
 
     stop_requested: bool
     preempted: bool
     loss: float | None
     rank_times: tuple[list[RankTime], int] | None
+    requeue: bool = False
 
     @property
     def stop(self) -> bool:
@@ -57,7 +61,7 @@ class Sync:
         timer: this rank's time split.
         model: checked for NaN/Inf parameters when asked.
         raise_nonfinite: a NaN/Inf loss since the last read raises on every rank.
-        sigterm: whether this rank was sent SIGTERM (read at each sync).
+        sigterm: whether this rank was sent SIGTERM or the requeue signal (read at each sync).
         board: this rank's published position.
         device, group: where the numbers go, and over which group.
     """
@@ -88,14 +92,16 @@ class Sync:
         self.board.publish(step=step, phase="sync")
         params = self.model.parameters()
         bad_model = check_model and not all_finite(p.detach() for p in params)
-        flags = [float(stop_requested), float(self.sigterm.received), float(bad_model)]
+        sigterm = self.sigterm
+        flags = [float(stop_requested), float(sigterm.received), float(sigterm.requeue)]
+        flags.append(float(bad_model))
         numbers = torch.tensor(
             flags + self.timer.payload(), dtype=torch.float64, device=self.device
         )
         stats = torch.cat([self.losses.pending(), numbers])
         with self.timer.collective_wait():
             reduced = all_reduce_sum(stats, self.group).tolist()
-        loss_sum, count, stop, sigterm, bad_models = reduced[:5]
+        loss_sum, count, stop, preempted, requeue, bad_models = reduced[:6]
         self.board.move(phase="train")
         if bad_models or (self.raise_nonfinite and not math.isfinite(loss_sum)):
             self._raise_nonfinite(bad_model, step)
@@ -105,9 +111,10 @@ class Sync:
             self.losses.reset(step)
         return Agreement(
             stop_requested=stop > 0,
-            preempted=sigterm > 0,
+            preempted=preempted > 0,
+            requeue=requeue > 0,
             loss=loss,
-            rank_times=self.timer.received(reduced[5:]),
+            rank_times=self.timer.received(reduced[6:]),
         )
 
     def _raise_nonfinite(self, bad_model: bool, step: int) -> NoReturn:
