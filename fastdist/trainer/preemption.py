@@ -58,6 +58,7 @@ class SigtermFlag:
                 self._deadline.daemon = True
                 self._deadline.start()
 
+        self._settled = False
         watched = [signal.SIGTERM] + ([self.requeue_signal] if self.requeue_signal else [])
         previous = {signum: signal.signal(signum, note) for signum in watched}
         try:
