@@ -149,3 +149,17 @@ def test_a_run_restored_on_fewer_workers_trains_every_sample_once(
         assert sorted(ids) == list(range(N_SAMPLES)), f"epoch {epoch}"
     # 4 updates of 8 samples, the other 40 of epoch 1 in 10 updates of 4, then 18 of 4.
     assert resized["metrics"]["step"] == 4 + 10 + 18
+
+
+def test_the_ray_example_reports_its_checkpoints_and_dev_metrics(
+    ray_env: dict[str, str], tmp_path: Path
+) -> None:
+    args = ["--epochs=1", f"--storage={tmp_path / 'storage'}", f"--save-path={tmp_path / 'save'}"]
+    args.append(f"--cache-dir={tmp_path / 'cache'}")
+    result = run_python(REPO_ROOT / "examples" / "ray_train.py", args, timeout=150, env=ray_env)
+    metrics = result.stdout.split("metrics ")[1].split("\n")[0]
+    for key in ("'epoch': 1", "'dev/acc': ", "'best/acc': ", "'loss': "):
+        assert key in metrics, result.output
+    checkpoint = Path(result.stdout.split("checkpoint ")[1].split()[0])
+    assert sorted(os.listdir(checkpoint)) == ["manifest.json", "step-00000024.pt"]
+    assert (tmp_path / "save" / "checkpoints" / "step-00000024.pt").exists()  # and kept here
