@@ -23,6 +23,7 @@ from launch import REPO_ROOT, TESTS_DIR, TORCHRUN_VARS, free_port
 
 from fastdist import DistTrainer
 from fastdist.distributed.slurm import job_to_requeue, requeue_signal
+from fastdist.trainer.preemption import SigtermFlag
 
 WORKER = TESTS_DIR / "workers" / "launcher_worker.py"
 
@@ -94,6 +95,21 @@ def test_a_signal_that_cannot_requeue_is_refused_by_the_trainer_before_training(
     data = [(torch.zeros(2), 0)] * 4
     with pytest.raises(ValueError, match=f"FASTDIST_REQUEUE_SIGNAL='{given}' is not a signal"):
         DistTrainer(data, torch.nn.Linear(2, 2), device="cpu", use_tqdm=False)
+
+
+def test_the_requeue_signal_sets_no_deadline_and_a_later_watch_times_sigterm_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.delenv("FASTDIST_REQUEUE_SIGNAL", raising=False)
+    flag = SigtermFlag()
+    with flag.watching():  # a first train(): USR1 noted, no deadline (the time limit bounds it)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.requeue and flag._deadline is None
+    with flag.watching():  # a later train() of the same trainer: SIGTERM has its deadline
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag._deadline is not None and flag._deadline.is_alive()
+    assert flag._deadline is None  # settled when training ends
 
 
 def test_an_array_task_is_requeued_by_its_array_id() -> None:
