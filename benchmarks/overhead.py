@@ -294,8 +294,10 @@ def worker() -> None:
     dist.destroy_process_group()
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):8.1f} ({min(values):.1f}..{max(values):.1f})"
+def spread(values: list[float], digits: int) -> str:
+    """The median and the range of ``values``."""
+    median, low, high = statistics.median(values), min(values), max(values)
+    return f"{median:8.{digits}f} ({low:.{digits}f}..{high:.{digits}f})"
 
 
 def report(results: dict[str, Any], rounds: int) -> None:
@@ -312,8 +314,8 @@ def report(results: dict[str, Any], rounds: int) -> None:
         hand_wall = statistics.median(h[0] for h in hand)
         ours_wall = statistics.median(f[0] for f in ours)
         print(
-            f"{name:<13}{hand_wall:12.0f}{ours_wall:10.0f}  {spread(ratios)}  "
-            f"{spread(extra)}  {result['profile']['total_us']:12.1f}"
+            f"{name:<13}{hand_wall:12.0f}{ours_wall:10.0f}  {spread(ratios, 3)}  "
+            f"{spread(extra, 0)}  {result['profile']['total_us']:12.1f}"
         )
     for name, result in results.items():
         top = ", ".join(f"{key} {us:.1f}" for key, us in result["profile"]["top"])
