@@ -3,11 +3,12 @@ and vs strategy="ddp", on a ~33M-parameter MLP of 14 blocks (parameters + AdamW 
 
 Run from the repository root (CPU, gloo, 2 processes)::
 
-    python benchmarks/fsdp.py [--rounds 2] [--steps 10]
+    python benchmarks/fsdp.py [--rounds 5] [--steps 10]
 
 One torchrun job times the three loops paired per round (hand FSDP2, fastdist FSDP, fastdist
-DDP, each on a fresh model); two more jobs train a few steps with one strategy each, for the
-peak RSS of a process that only ever held that strategy's state.
+DDP, each on a fresh model, in an order that flips every round); two more jobs train a few
+steps with one strategy each, for the peak RSS of a process that only ever held that
+strategy's state.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 from typing import Any
@@ -128,11 +130,15 @@ def worker() -> None:
     dist.init_process_group("gloo")
     result: dict[str, Any] = {}
     if mode == "speed":
-        times: dict[str, list[float]] = {"hand_fsdp": [], "fsdp": [], "ddp": []}
-        for _ in range(rounds):
-            times["hand_fsdp"].append(run_hand_fsdp(steps)[0])
-            times["fsdp"].append(run_trainer("fsdp", steps)[0])
-            times["ddp"].append(run_trainer("ddp", steps)[0])
+        loops = {
+            "hand_fsdp": lambda: run_hand_fsdp(steps)[0],
+            "fsdp": lambda: run_trainer("fsdp", steps)[0],
+            "ddp": lambda: run_trainer("ddp", steps)[0],
+        }
+        times: dict[str, list[float]] = {name: [] for name in loops}
+        for round_ in range(rounds):  # the order flips every round: no loop always goes first
+            for name in list(loops)[:: -1 if round_ % 2 else 1]:
+                times[name].append(loops[name]())
         result["ms_per_step"] = times
     else:
         _, result["bytes"] = run_trainer(mode, 3)
@@ -144,7 +150,7 @@ def worker() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     script = os.path.abspath(__file__)
@@ -173,8 +179,8 @@ def main() -> None:
         f"fastdist ddp {best['ddp']:.1f}"
     )
     print(
-        f"fsdp / hand FSDP2 (paired per round): {[round(r, 3) for r in paired]}, "
-        f"best/best {best['fsdp'] / best['hand_fsdp']:.3f}"
+        f"fsdp / hand FSDP2 (paired per round): median {statistics.median(paired):.3f} "
+        f"({min(paired):.3f}..{max(paired):.3f}), best/best {best['fsdp'] / best['hand_fsdp']:.3f}"
     )
     print(f"fsdp / ddp (best/best): {best['fsdp'] / best['ddp']:.3f}")
 

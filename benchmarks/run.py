@@ -191,9 +191,9 @@ def time_imports(repeats: int) -> dict[str, Any]:
     }
 
 
-def run_overhead(repeats: int, timeout: float) -> dict[str, Any] | None:
-    """Run ``overhead.py`` (one process, no DDP); its JSON result, with its report as text."""
-    cmd = [sys.executable, str(BENCH_DIR / "overhead.py"), "--json", f"--repeats={repeats}"]
+def run_overhead(rounds: int, timeout: float) -> dict[str, Any] | None:
+    """Run ``overhead.py`` (its own 2-process job); its JSON result, with its report as text."""
+    cmd = [sys.executable, str(BENCH_DIR / "overhead.py"), "--json", f"--rounds={rounds}"]
     proc = subprocess.run(
         cmd, cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
     )
@@ -465,10 +465,10 @@ def main() -> None:
         "--retries", type=int, default=2, help="how often such a run is run again (default 2)"
     )
     parser.add_argument(
-        "--overhead-repeats",
+        "--overhead-rounds",
         type=int,
-        default=5,
-        help="repeats of benchmarks/overhead.py (1 process, no DDP); 0 skips it",
+        default=3,
+        help="rounds of benchmarks/overhead.py (fastdist's own time per update); 0 skips it",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write all raw results here")
     args = parser.parse_args()
@@ -518,8 +518,8 @@ def main() -> None:
                     )
                 results += runs
     overhead = None
-    if args.overhead_repeats > 0:
-        overhead = run_overhead(args.overhead_repeats, args.timeout)
+    if args.overhead_rounds > 0:
+        overhead = run_overhead(args.overhead_rounds, args.timeout)
     print()
     rows = summarize(results, args.max_foreign)
     print(

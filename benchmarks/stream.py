@@ -5,10 +5,11 @@ Run on demand from the repository root, under torchrun (or as one process)::
     torchrun --nproc-per-node=2 benchmarks/stream.py [--workload tiny] [--rounds 3]
 
 Each round trains the workload (``benchmarks/workloads.py``) twice with ``DistTrainer``, one
-after the other in the same job: from its ``TensorDataset`` (the default sampler) and from the
-same samples as an ``IterableDataset`` (sharded by rank, one agreement all-reduce per update).
-Prints ms per update after the warm-up for both, their ratio per round and the median, and the
-agreement all-reduce timed alone.
+after the other in the same job (the order flips every round): from its ``TensorDataset`` (the
+default sampler) and from the same samples as an ``IterableDataset`` (sharded by rank: every
+rank reads the whole stream and keeps its part; one agreement all-reduce per
+``AGREED_MICRO_BATCHES`` micro-batches). Prints ms per update after the warm-up for both, their
+ratio per round, the median with min..max, and the agreement all-reduce timed alone.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from worker import Timing, make_sync  # noqa: E402
 from workloads import WORKLOADS, Workload, build_data, build_model, build_optimizer, plan  # noqa: E402
 
 from fastdist import Callback, DistTrainer, get_world_size, is_master, logger  # noqa: E402
+from fastdist.data.stream import AGREED_MICRO_BATCHES  # noqa: E402
 from fastdist.distributed import all_reduce_sum  # noqa: E402
 
 
@@ -73,9 +75,10 @@ def train(wl: Workload, data: Any, epochs: int) -> float:
     return (timing.t1 - timing.t0) / (trainer.state.global_step - wl.warmup) * 1e3
 
 
-def agreement_us(update_every: int, repeats: int = 2000) -> float:
-    """Microseconds per agreement all-reduce (``world_size x (update_every + 1)`` float64)."""
-    vector = torch.zeros(get_world_size() * (update_every + 1), dtype=torch.float64)
+def agreement_us(repeats: int = 2000) -> float:
+    """Microseconds per agreement all-reduce (``world_size x (AGREED_MICRO_BATCHES + 1)``
+    float64)."""
+    vector = torch.zeros(get_world_size() * (AGREED_MICRO_BATCHES + 1), dtype=torch.float64)
     all_reduce_sum(vector)  # warm the connection
     start = time.perf_counter()
     for _ in range(repeats):
@@ -86,7 +89,7 @@ def agreement_us(update_every: int, repeats: int = 2000) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=["tiny", "accumulation"], default="tiny")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     wl = WORKLOADS[args.workload]
     epochs, per_epoch, size = plan(wl, get_world_size())
@@ -94,8 +97,10 @@ def main() -> None:
     logger.setLevel("WARNING")  # the trainers' own lines would bury the table
     ratios = []
     for round_ in range(args.rounds):
-        map_ms = train(wl, data, epochs)
-        stream_ms = train(wl, Stream(data), epochs)
+        if round_ % 2:
+            stream_ms, map_ms = train(wl, Stream(data), epochs), train(wl, data, epochs)
+        else:
+            map_ms, stream_ms = train(wl, data, epochs), train(wl, Stream(data), epochs)
         ratios.append(stream_ms / map_ms)
         if is_master():
             print(
@@ -103,12 +108,12 @@ def main() -> None:
                 f"stream/map {ratios[-1]:.3f}",
                 flush=True,
             )
-    agreement = agreement_us(wl.update_every)
+    agreement = agreement_us()
     if is_master():
         print(
             f"{args.workload} on {get_world_size()} process(es), {epochs} x {per_epoch} updates: "
-            f"median stream/map {statistics.median(ratios):.3f}; agreement all-reduce alone "
-            f"{agreement:.0f} us"
+            f"median stream/map {statistics.median(ratios):.3f} ({min(ratios):.3f}.."
+            f"{max(ratios):.3f}); agreement all-reduce alone {agreement:.0f} us"
         )
 
 

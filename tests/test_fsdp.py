@@ -81,6 +81,14 @@ def test_bf16_trains(ranks: list[dict[str, Any]]) -> None:
     assert ranks[0]["bf16"]["param_dtype"] == "torch.float32"  # the sharded master weights
 
 
+def test_blocks_reshard_after_forward_and_the_root_does_not(ranks: list[dict[str, Any]]) -> None:
+    """Between forward and backward a block's parameters are sharded again (memory), the
+    root's stay gathered: backward needs them first, and resharding them would cost one more
+    all-gather per micro-batch."""
+    for data in ranks:
+        assert data["bf16"]["sharded_in_backward"] == {"inp.weight": False, "blocks.0.weight": True}
+
+
 def test_one_process_runs_the_plain_model() -> None:
     trainer = make_trainer(Callback(), strategy="fsdp")
     assert type(trainer.strategy.module).__name__ == "Linear"  # no FSDP wrapper

@@ -3,17 +3,17 @@
 Every reader (each DataLoader worker of each rank, or each rank without workers) takes a
 disjoint part of the stream: item ``i`` goes to reader ``i % readers`` (:class:`StreamShard`),
 unless the dataset already reads only its own part and says so (:class:`ShardedStream`).
-Nobody knows in advance how many batches a rank gets, so the ranks agree on each update
-before running it: every rank reads up to ``update_every`` batches and one small all-reduce
-(CPU, on a gloo group of its own) gives every rank every rank's batch sizes
-(:meth:`StreamBatches._agree`). From them each rank weighs its micro-batches exactly as for
-map-style data (:func:`~fastdist.data.batches.window_weights`), a rank with fewer batches
-repeats the last batch it read with weight 0 (a filler) to stay in step, and the epoch ends
-on every rank together when no rank has a batch left. That is one extra all-reduce of
-``world_size * (update_every + 1)`` numbers per update, only for streams; each rank reads the
-next update's batches while it trains on the current ones and starts their agreement then, so
-that its latency can overlap training where cores are free (on a 2-core VM it still costs
-about 1 ms per update: docs/benchmarks.rst).
+Nobody knows in advance how many batches a rank gets, so the ranks agree on them before
+training on them: every rank reads its next ``AGREED_MICRO_BATCHES`` batches (whole update
+windows of ``update_every``) and one small all-reduce (CPU, on a gloo group of its own) gives
+every rank every rank's batch sizes (:meth:`StreamBatches._agree`). From them each rank
+weighs its micro-batches exactly as for map-style data
+(:func:`~fastdist.data.batches.window_weights`), a rank with fewer batches repeats the last
+batch it read with weight 0 (a filler) to stay in step, and the epoch ends on every rank
+together after the last window in which some rank has a batch. The agreement of the next
+windows is started while the last window of the current ones trains, so its latency overlaps
+training; one all-reduce per ``AGREED_MICRO_BATCHES`` micro-batches rather than one per update
+is what brings streams to map-style speed (docs/benchmarks.rst).
 
 Resume: a dataset with ``state_dict()``/``load_state_dict()`` (torchdata's ``Stateful``
 protocol: the position of its current iteration, back at the start once an iteration ends;
@@ -39,6 +39,11 @@ from torch.utils.data.dataloader import default_collate
 from fastdist.data.batches import window_weights
 from fastdist.distributed.collectives import start_all_reduce_sum
 from fastdist.logging import logger
+
+# Micro-batches per rank that one agreement all-reduce covers: its ~0.1-1 ms (2 CPU processes,
+# gloo) is shared by that many, at the cost of holding as many batches read ahead.
+AGREED_MICRO_BATCHES = 16
+Window = tuple[list[tuple[int, Any]], "dict[str, Any] | None"]  # (size, batch)s, position after
 
 
 def is_stateful(data: Any) -> bool:
@@ -154,11 +159,12 @@ class StreamBatches:
     The interface of :class:`~fastdist.data.TrainBatches`, with what a stream cannot know in
     advance left unknown: ``n_micro_batches`` is ``None`` and ``ends_pass`` is never true
     before the end. ``weights`` grows by one window just before the window's first batch is
-    yielded, so after a window's last batch ``len(weights)`` is the micro-batches so far. One
-    window is read ahead; :meth:`state_dict` is the loader's position before that read.
+    yielded, so after a window's last batch ``len(weights)`` is the micro-batches so far. The
+    windows of one agreement (``windows_per_agreement``) are read ahead together;
+    :meth:`state_dict` is the loader's position after the window yielded last.
 
     Args:
-        group: a gloo (CPU) group of its own for the per-update agreement, so it never waits
+        group: a gloo (CPU) group of its own for the agreement on the sizes, so it never waits
             for a GPU or queues behind the gradient all-reduce.
         wait: a context manager factory timing the agreement as collective wait.
     """
@@ -205,6 +211,7 @@ class StreamBatches:
                 **loader_options,
             )
         self.num_workers = loader_options.get("num_workers", 0)
+        self.windows_per_agreement = max(1, AGREED_MICRO_BATCHES // update_every)
         self.weights: list[float] = []
         self.exhausted = False  # this rank's stream has ended in the current pass
         self.last: Any = None  # the latest batch this rank read: what a filler repeats
@@ -235,64 +242,73 @@ class StreamBatches:
         return self._windows(iter(()) if self.exhausted else iter(self.loader))
 
     def _windows(self, batches: Iterator[tuple[int, Any]]) -> Iterator[Any]:
-        k = self.update_every
-        own = self._read(batches)
-        agreed = self._agree(own)
+        k, count = self.update_every, self.windows_per_agreement
+        group = self._read(batches, count)
+        agreed = self._agree(group)
         while True:
-            sizes = agreed()
-            length = max(map(len, sizes))
-            if not length:  # no rank has a batch left: the epoch ends here, on every rank
-                return
-            self._state = self._loader_state()  # a checkpoint after this window resumes here
-            ahead = self._read(batches)
-            agreed = self._agree(ahead)  # runs while this window trains
-            samples, n_batches = self._ends[len(self.weights)]
-            self.weights += window_weights(sizes, self.rank, k)
-            done = (samples + sum(map(sum, sizes)), n_batches + sum(map(len, sizes)))
-            self._ends[len(self.weights)] = done
-            for _, batch in own:
-                yield batch
-            for _ in range(len(own), length):
-                yield self.last
-            own = ahead
+            for j, sizes in enumerate(agreed()):
+                length = max(map(len, sizes))
+                if not length:  # no rank has a batch left: the epoch ends here, on every rank
+                    return
+                own, self._state = group[j]  # a checkpoint after this window resumes there
+                if j == count - 1:  # read the next windows; their agreement runs meanwhile
+                    ahead = self._read(batches, count)
+                    agreed = self._agree(ahead)
+                samples, n_batches = self._ends[len(self.weights)]
+                self.weights += window_weights(sizes, self.rank, k)
+                done = (samples + sum(map(sum, sizes)), n_batches + sum(map(len, sizes)))
+                self._ends[len(self.weights)] = done
+                for _, batch in own:
+                    yield batch
+                for _ in range(len(own), length):
+                    yield self.last
+            group = ahead
 
-    def _read(self, batches: Iterator[tuple[int, Any]]) -> list[tuple[int, Any]]:
-        """This rank's next ``update_every`` (size, batch) pairs; fewer once its stream ends."""
-        own = [] if self.exhausted else list(itertools.islice(batches, self.update_every))
-        self.exhausted = len(own) < self.update_every
-        if own:
-            self.last = own[-1][1]
-        return own
+    def _read(self, batches: Iterator[tuple[int, Any]], count: int) -> list[Window]:
+        """This rank's next ``count`` windows of ``update_every`` (size, batch) pairs, each
+        with the loader's position after it; the windows after its stream ended are empty."""
+        windows = []
+        for _ in range(count):
+            own = [] if self.exhausted else list(itertools.islice(batches, self.update_every))
+            self.exhausted = len(own) < self.update_every
+            if own:
+                self.last = own[-1][1]
+            windows.append((own, self._loader_state()))
+        return windows
 
-    def _agree(self, own: list[tuple[int, Any]]) -> Callable[[], list[list[int]]]:
-        """Start the all-reduce that tells every rank every rank's batch sizes of a window;
-        return the function that waits for them.
+    def _agree(self, windows: list[Window]) -> Callable[[], list[list[list[int]]]]:
+        """Start the all-reduce that tells every rank every rank's batch sizes of the
+        ``windows``; return the function that waits for them (per window, per rank).
 
         Each rank writes its sizes and whether it has a batch to repeat into its own slot. A
         rank that must repeat a batch and has none (its part of the stream was empty) makes
         every rank raise the same error, as all of them see it.
         """
-        k, width = self.update_every, self.update_every + 1
-        vector = torch.zeros(self.world_size * width, dtype=torch.float64)
-        slot = self.rank * width
-        vector[slot : slot + len(own)] = torch.tensor([n for n, _ in own], dtype=torch.float64)
-        vector[slot + k] = float(self.last is not None)
+        k, n = self.update_every, self.update_every * len(windows)
+        vector = torch.zeros(self.world_size, n + 1, dtype=torch.float64)
+        own = [size for pairs, _ in windows for size, _ in pairs]
+        vector[self.rank, : len(own)] = torch.tensor(own, dtype=torch.float64)
+        vector[self.rank, n] = float(self.last is not None)
         summed = start_all_reduce_sum(vector, self.group)
 
-        def sizes() -> list[list[int]]:
+        def sizes() -> list[list[list[int]]]:
             with self.wait():
-                rows = summed().view(self.world_size, width).tolist()
-            sizes = [[int(n) for n in row[:k] if n > 0] for row in rows]
-            length = max(map(len, sizes))
-            empty = [r for r, row in enumerate(rows) if len(sizes[r]) < length and not row[k]]
-            if empty:
-                readers = self.world_size * max(self.num_workers, 1)
-                raise RuntimeError(
-                    f"the streaming train_data gave rank(s) {empty} no item while other ranks "
-                    f"had some: it holds fewer items than its {readers} readers (processes x "
-                    "num_workers); use fewer processes or workers, or more data"
-                )
-            return sizes
+                rows = summed().tolist()
+            per_window = [
+                [[int(s) for s in row[start : start + k] if s > 0] for row in rows]
+                for start in range(0, n, k)
+            ]
+            for window in per_window:
+                length = max(map(len, window))
+                empty = [r for r, row in enumerate(rows) if len(window[r]) < length and not row[n]]
+                if empty:
+                    readers = self.world_size * max(self.num_workers, 1)
+                    raise RuntimeError(
+                        f"the streaming train_data gave rank(s) {empty} no item while other "
+                        f"ranks had some: it holds fewer items than its {readers} readers "
+                        "(processes x num_workers); use fewer processes or workers, or more data"
+                    )
+            return per_window
 
         return sizes
 

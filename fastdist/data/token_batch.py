@@ -61,6 +61,7 @@ class TokenBatchSampler(Sampler[list[int]]):
         self._rank, self._world_size = rank, world_size
         self.epoch = 0
         self.start = 0  # global batches of this epoch already trained on
+        self._planned: tuple[int, list[list[int]]] | None = None  # (epoch, its batches)
 
     @property
     def rank(self) -> int:
@@ -79,7 +80,13 @@ class TokenBatchSampler(Sampler[list[int]]):
         self.start = start
 
     def batches(self, epoch: int) -> list[list[int]]:
-        """Every batch of ``epoch``, in training order; independent of the ranks."""
+        """Every batch of ``epoch``, in training order; independent of the ranks. Kept for
+        the epoch's next call (the trainer asks for them three times an epoch)."""
+        if self._planned is None or self._planned[0] != epoch:
+            self._planned = (epoch, self._pack(epoch))
+        return self._planned[1]
+
+    def _pack(self, epoch: int) -> list[list[int]]:
         order = epoch_order(len(self.lengths), self.shuffle, self.seed, epoch)
         order.sort(key=self.lengths.__getitem__)  # stable: equal lengths keep their shuffle
         batches: list[list[int]] = []

@@ -87,6 +87,9 @@ class Strategy:
         with torch.no_grad():
             broadcast_tensors(self.model.buffers(), group=self.group)
 
+    def after_evaluation(self) -> None:
+        """Put the model back as training left it, once evaluation or prediction ended."""
+
     def full_state_dict(self) -> dict[str, Any] | None:
         """The whole model's ``state_dict`` on rank 0's CPU (``None`` elsewhere)."""
         if get_rank() != 0:

@@ -239,4 +239,5 @@ class DistTrainer:
                 **kwargs,
             )
         finally:
+            self.strategy.after_evaluation()
             board.move(phase="train")

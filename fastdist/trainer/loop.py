@@ -196,7 +196,10 @@ class Loop:
         # buffers DDP would broadcast before the next forward (each rank's forward updated its
         # own), and local SGD's parameters averaged.
         self.strategy.before_evaluation()
-        result = validator.evaluator.evaluate(data)
+        try:
+            result = validator.evaluator.evaluate(data)
+        finally:
+            self.strategy.after_evaluation()
         self.world.board.move(phase="train")
         return result
 

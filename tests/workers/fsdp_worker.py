@@ -45,11 +45,17 @@ class BlockNet(nn.Module):
 
 
 class LossLog(Callback):
+    """The losses, and which parameters are sharded between forward and backward."""
+
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.sharded_in_backward: dict[str, bool] = {}
 
     def on_backward_begin(self, loss: torch.Tensor) -> None:
         self.losses.append(float(loss))
+        model = self.trainer.model
+        for name in ("inp.weight", "blocks.0.weight"):  # the root's own, a block's
+            self.sharded_in_backward[name] = isinstance(model.get_parameter(name), DTensor)
 
 
 def local_numel(tensors: Any) -> tuple[int, int]:
@@ -136,6 +142,7 @@ def run_bf16() -> dict[str, Any]:
     return {
         "losses": log.losses,
         "param_dtype": str(next(trainer.model.parameters()).dtype),
+        "sharded_in_backward": log.sharded_in_backward,
     }
 
 
