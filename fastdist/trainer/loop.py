@@ -55,7 +55,7 @@ class Loop:
                 callbacks.on_batch_begin(batch)
                 # Only the last micro-batch of a window all-reduces gradients.
                 with contextlib.nullcontext() if state.is_update else self.strategy.no_sync():
-                    with self.precision.autocast(), eval_mode(self.model, state.is_filler):
+                    with self.precision.autocast(), forward_mode(self.model, state.is_filler):
                         output = run.forward(self.strategy.module, batch)
                         callbacks.on_loss_begin(batch, output)
                         loss = self.losses.add(run.loss_fn(output, batch), share)
@@ -222,6 +222,12 @@ class Loop:
     def fit(self, resume: bool | str | os.PathLike) -> dict[str, Any]:
         """What ``DistTrainer.train`` does: resume, train, end; the result on every rank."""
         start, state, options = time.time(), self.state, self.options
+        arrived_training = self.model.training
+        if not arrived_training:
+            logger.info(
+                "the model came in eval mode (as from_pretrained returns it): it trains in "
+                "train mode (dropout on) and is put back in eval mode after training"
+            )
         self._begin(self.run.checkpointer.restore(resume))
         try:
             with self.run.sigterm.watching(), self.timer.hooked(self.model):
@@ -237,6 +243,7 @@ class Loop:
             raise
         finally:
             self.progress.close()
+            self.model.train(arrived_training)
         result = {
             "best_eval": state.best_eval,
             "best_epoch": state.best_epoch,
@@ -331,14 +338,17 @@ class Loop:
 
 
 @contextlib.contextmanager
-def eval_mode(model: nn.Module, active: bool) -> Iterator[None]:
-    """Run in eval mode while ``active`` (a filler: no batch-norm statistics, no dropout)."""
-    if not active:  # the common case: touch nothing (train() walks every module)
+def forward_mode(model: nn.Module, filler: bool) -> Iterator[None]:
+    """Train mode for a micro-batch that trains, whatever mode the model came in (a
+    ``from_pretrained`` model comes in eval mode) or a callback left it in; eval mode for a
+    filler (no batch-norm statistics, no dropout), then train mode again."""
+    if not filler:
+        if not model.training:  # the root's flag: train() walks every module
+            model.train()
         yield
         return
-    was_training = model.training
     model.eval()
     try:
         yield
     finally:
-        model.train(was_training)
+        model.train()
