@@ -20,6 +20,7 @@ from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
+    register_fsdp_forward_method,
 )
 
 from fastdist.checkpoint import PER_RANK, SHARDED
@@ -175,6 +176,8 @@ class FSDP(Strategy):
         for name in blocks:
             fully_shard(model.get_submodule(name), **options)
         fully_shard(model, **options)
+        if callable(getattr(model, "predict", None)):  # evaluation calls it: gather there too
+            register_fsdp_forward_method(model, "predict")
         logger.info(
             "fsdp: sharded %d block(s) one by one%s, then the root %s",
             len(blocks),

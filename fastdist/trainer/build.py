@@ -96,6 +96,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
     world = _form_world(options, device)
     model = args.model.to(device)
     forward = make_forward(model)  # from the signature, before compiling
+    evaluate = make_forward(model, evaluation=True)  # the model's predict() if it has one
     if options.compile:
         model.compile()
     strategy = options.strategy
@@ -120,7 +121,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
         loss_fn=args.loss_fn,
         precision=precision,
         data=data,
-        validator=_validator(args, strategy, forward, world.group),
+        validator=_validator(args, strategy, evaluate, world.group),
         callbacks=_callbacks(args, world.rank == 0),
         checkpointer=_checkpointer(options, world.group),
         rng=RandomState(world.rank),
