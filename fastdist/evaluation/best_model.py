@@ -10,7 +10,7 @@ import torch
 
 from fastdist.checkpoint import atomic_save
 from fastdist.distributed import get_rank
-from fastdist.strategies import Strategy
+from fastdist.strategies import Strategy, model_class
 
 
 class BestModel:
@@ -41,7 +41,8 @@ class BestModel:
             return
         if self.path is None:
             stamp = time.strftime("%Y-%m-%d-%H-%M-%S")
-            name = f"best_{type(self.strategy.model).__name__}_{metric_key}_{stamp}.pt"
+            cls = model_class(self.strategy.model).__name__  # not FSDP's FSDP<Name>
+            name = f"best_{cls}_{metric_key}_{stamp}.pt"
             self.path = os.path.join(self.save_path, name)
         atomic_save(weights, self.path)
 
