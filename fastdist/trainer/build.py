@@ -219,7 +219,9 @@ def _validator(args: Arguments, strategy: Strategy, forward: Any, group: Any) ->
         group,
         worker_context(options.multiprocessing_context) if options.num_workers else None,
     )
-    best = BestModel(strategy, options.save_path, keep_in_memory=options.load_best_model)
+    best = BestModel(
+        strategy, options.save_path, options.load_best_model, options.best_model_format
+    )
     return Validator(
         args.dev_data, evaluator, args.metric_key, args.larger_better, options.validate_every, best
     )
