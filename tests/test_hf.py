@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from inprocess import make_trainer
-from launch import run_python, run_torchrun
+from launch import REPO_ROOT, run_python, run_torchrun
 from torch import nn
 
 from fastdist import (
@@ -162,6 +163,20 @@ def test_fsdp_evaluates_and_predicts_through_predict(world: Any) -> None:
         assert rank["predict"]["eval"] == {"acc": 1.0}  # forward's scores would give 0.0
     assert [p["pred"] for p in ranks[0]["predict"]["predict"]] == [0, 0, 0, 0, 1, 1, 1]
     assert ranks[1]["predict"]["predict"] is None
+
+
+@pytest.mark.slow
+def test_the_example_trains_exports_reloads_and_generates(tmp_path: Path) -> None:
+    example = REPO_ROOT / "examples" / "hf_causal_lm.py"
+    result = run_torchrun(example, 2, ["--epochs", "1"], cwd=tmp_path, timeout=180)
+    for strategy in ("ddp", "fsdp"):
+        assert re.search(rf"{strategy}: best dev loss [\d.]+, perplexity [\d.]+", result.output)
+        assert f"{strategy}: reloaded hf_out/{strategy}/model, identical logits: True" in (
+            result.output
+        )
+        assert f"{strategy}: generated 'Return the " in result.output
+        assert (tmp_path / "hf_out" / strategy / "model" / "model.safetensors").exists()
+        assert list((tmp_path / "hf_out" / strategy).glob("best_GPT2LMHeadModel_loss_*"))
 
 
 # ----- in this process -----
