@@ -224,6 +224,11 @@ def test_the_models_own_loss_named_fields_and_dev_perplexity(no_dist_env: None) 
     trainer = DistTrainer(train, model, loss=CrossEntropyLoss(), device="cpu", use_tqdm=False)
     with pytest.raises(KeyError, match=r"'pred' .* pass the name to read as pred=\.\.\., e\.g\. "):
         trainer.train(resume=False)
+    batch = _stack(train[:2])
+    output = model(**batch)  # a transformers ModelOutput: fields read by name
+    named = CrossEntropyLoss(pred="logits", target="labels")(output, batch)
+    flat = torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), batch["labels"].flatten())
+    assert torch.equal(named, flat)
     trainer = DistTrainer(
         train,
         model,
