@@ -1,4 +1,5 @@
-"""``python -m fastdist``: the command-line tools (``env``, ``plot``); see :mod:`fastdist.cli`."""
+"""``python -m fastdist``: the command-line tools (``env``, ``plot``, ``export``); see
+:mod:`fastdist.cli`."""
 
 import sys
 

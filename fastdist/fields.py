@@ -23,7 +23,12 @@ def get_field(output: Any, batch: Any, name: str, from_batch: bool) -> torch.Ten
         if isinstance(source, Mapping) and name in source:
             return source[name]
     keys = sorted(set(_keys(output)) | set(_keys(batch)))
-    raise KeyError(f"field {name!r} is neither in the model output nor in the batch; have {keys}")
+    side = "target" if from_batch else "pred"
+    raise KeyError(
+        f"field {name!r} is neither in the model output nor in the batch; have {keys}: pass "
+        f"the name to read as {side}=..., e.g. CrossEntropyLoss(pred='logits', "
+        "target='labels'); loss=None takes the model's own 'loss'"
+    )
 
 
 def _keys(obj: Any) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -47,6 +48,8 @@ class TrainerView(Protocol):
     def precision(self) -> _Precision: ...
 
     def request_stop(self) -> None: ...
+
+    def save_model(self, path: str | os.PathLike, format: str = "torch") -> str: ...
 
 
 class Callback:

@@ -36,7 +36,7 @@ _STEP_NAME = re.compile(r"step-(\d+)(\.pt)?$")  # a checkpoint's name, as this m
 
 
 @contextlib.contextmanager
-def _atomic_file(path: str) -> Iterator[IO[bytes]]:
+def atomic_file(path: str) -> Iterator[IO[bytes]]:
     """Yield a new temp file next to ``path``; on success fsync it and rename it over ``path``.
 
     ``open(..., "xb")`` creates it with mode 0o666 less the umask, as the user's other files
@@ -75,7 +75,7 @@ def atomic_save(obj: Any, path: str) -> int:
     catches truncation and corruption at GB/s, where sha256 would double the cost (measured
     with benchmarks/checkpoint.py).
     """
-    with _atomic_file(path) as f:
+    with atomic_file(path) as f:
         torch.save(obj, f)
         f.flush()
         checksum = crc32(f.name)
@@ -181,7 +181,7 @@ class CheckpointDir:
         owned = [e for e in entries if e["file"] in self.own]
         dropped = owned[: -self.keep]
         kept = [e for e in entries if e not in dropped]  # another run's stay listed
-        with _atomic_file(os.path.join(self.directory, MANIFEST)) as f:
+        with atomic_file(os.path.join(self.directory, MANIFEST)) as f:
             f.write(json.dumps(kept, indent=1).encode())
         for old in dropped:  # only now that the new checkpoint and manifest are durable
             old_path = os.path.join(self.directory, old["file"])

@@ -4,6 +4,7 @@ Commands:
     env: print what a bug report needs (versions, CUDA, backends, torchrun variables) and
         whether a process group can be formed here.
     plot: draw the curves of one or more ``JSONLogCallback`` logs into a PNG.
+    export: write the model of a checkpoint (sharded or not) as one file, offline.
 
 Example:
     >>> main(["env"])  # python -m fastdist env
@@ -16,6 +17,7 @@ import argparse
 from collections.abc import Sequence
 
 from fastdist.cli.env import add_parser as add_env_parser
+from fastdist.cli.export import add_parser as add_export_parser
 from fastdist.cli.plot import add_parser as add_plot_parser
 
 
@@ -27,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_env_parser(commands)
     add_plot_parser(commands)
+    add_export_parser(commands)
     return parser
 
 

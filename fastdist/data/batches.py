@@ -89,6 +89,7 @@ class TrainBatches:
         self.data = data
         self.sizes: list[list[int]] = []  # every rank's micro-batch sizes of the current pass
         self.weights: list[float] = []
+        self.samples: list[int] = []  # this rank's micro-batch sizes, fillers 0
         self._prefix: list[list[int]] = []  # their running sums
         self._skip = 0
         self._start = (0, 0)
@@ -131,6 +132,8 @@ class TrainBatches:
         self._prefix = [list(itertools.accumulate(sizes, initial=0)) for sizes in self.sizes]
         self._start = (samples, batches)
         self.weights = window_weights(self.sizes, self.rank, self.update_every)
+        own = self.sizes[self.rank]
+        self.samples = own + [0] * (len(self.weights) - len(own))
 
     def iterate(self) -> Iterator[Any]:
         """This rank's batches of the pass, then fillers up to the longest shard's count.

@@ -23,30 +23,38 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def make_forward(model: nn.Module) -> Callable[[nn.Module, Any], Any]:
+def make_forward(model: nn.Module, evaluation: bool = False) -> Callable[[nn.Module, Any], Any]:
     """Return ``forward(module, batch)`` that feeds a batch the way ``model`` expects it.
 
     Dict batches go in as keyword arguments matched to the parameters of ``model.forward``
     (all fields if it takes ``**kwargs``); tuple batches ``(x, ..., y)`` as ``module(x, ...)``;
     a bare tensor as ``module(x)``. The first dict batch is checked against the parameters
     (see :func:`check_batch_fields`); later ones are not, to keep every step cheap.
+
+    With ``evaluation``, a model that defines ``predict`` is fed to ``module.predict`` the
+    same way (its own parameters), as fastNLP evaluated and predicted.
     """
-    forward_name = f"{type(model).__name__}.forward"
-    params = list(inspect.signature(model.forward).parameters.values())
+    method = "predict" if evaluation and callable(getattr(model, "predict", None)) else "forward"
+    forward_name = f"{type(model).__name__}.{method}"
+    fn = getattr(model, method)
+    if method in vars(model):  # patched on the instance (register_fsdp_forward_method):
+        fn = getattr(fn, "__wrapped__", fn)  # the bound method it wraps has the signature
+    params = list(inspect.signature(fn).parameters.values())
     takes_all = any(p.kind is p.VAR_KEYWORD for p in params)
     names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     unchecked = True
 
     def forward(module: nn.Module, batch: Any) -> Any:
         nonlocal unchecked
+        call = module if method == "forward" else getattr(module, method)
         if isinstance(batch, Mapping):
             if unchecked:
                 check_batch_fields(list(batch), params, forward_name)
                 unchecked = False
-            return module(**(batch if takes_all else {k: batch[k] for k in names & batch.keys()}))
+            return call(**(batch if takes_all else {k: batch[k] for k in names & batch.keys()}))
         if isinstance(batch, (list, tuple)):
-            return module(*batch[:-1]) if len(batch) > 1 else module(batch[0])
-        return module(batch)
+            return call(*batch[:-1]) if len(batch) > 1 else call(batch[0])
+        return call(batch)
 
     return forward
 

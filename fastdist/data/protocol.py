@@ -22,6 +22,9 @@ class Batches(Protocol):
 
     #: Loss weight of each of this rank's micro-batches of the current pass (0: a filler).
     weights: list[float]
+    #: Samples in each of them (0: a filler; 1 per batch of a user's batch sampler, whose
+    #: batches weigh equally).
+    samples: list[int]
     #: The DataLoader this rank reads.
     loader: Any
 

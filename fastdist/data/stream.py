@@ -213,6 +213,7 @@ class StreamBatches:
         self.num_workers = loader_options.get("num_workers", 0)
         self.windows_per_agreement = max(1, AGREED_MICRO_BATCHES // update_every)
         self.weights: list[float] = []
+        self.samples: list[int] = []  # this rank's micro-batch sizes, fillers 0
         self.exhausted = False  # this rank's stream has ended in the current pass
         self.last: Any = None  # the latest batch this rank read: what a filler repeats
         self._resume: dict[str, Any] | None = None  # the position the next pass starts from
@@ -228,7 +229,7 @@ class StreamBatches:
     def begin(self, epoch: int, samples: int, batches: int) -> None:
         """Start a pass of ``epoch`` from the position ``(samples, batches)``."""
         self.source.set_epoch(epoch)
-        self.weights = []
+        self.weights, self.samples = [], []
         self._ends = {0: (samples, batches)}
 
     def iterate(self) -> Iterator[Any]:
@@ -256,6 +257,7 @@ class StreamBatches:
                     agreed = self._agree(ahead)
                 samples, n_batches = self._ends[len(self.weights)]
                 self.weights += window_weights(sizes, self.rank, k)
+                self.samples += sizes[self.rank] + [0] * (length - len(sizes[self.rank]))
                 done = (samples + sum(map(sum, sizes)), n_batches + sum(map(len, sizes)))
                 self._ends[len(self.weights)] = done
                 for _, batch in own:

@@ -6,26 +6,35 @@ import os
 import time
 from typing import Any
 
-import torch
-
-from fastdist.checkpoint import atomic_save
+from fastdist.checkpoint.export import SUFFIXES, read_model, write_model
 from fastdist.distributed import get_rank
-from fastdist.strategies import Strategy
+from fastdist.strategies import Strategy, model_class
 
 
 class BestModel:
-    """Rank 0 keeps the best weights, whole and unsharded (a plain ``state_dict`` that loads
-    into the model without fastdist): in a file under ``save_path``, else (if they will be
-    loaded at the end) in memory. The file name carries the run's start time, so a new run
-    never overwrites an earlier run's best model. A checkpoint part: it saves the file's path,
-    or the weights it keeps in memory (rank 0's, so that a resumed run ends with the best of
-    the whole run, not of its own part).
+    """Rank 0 keeps the best weights, whole and unsharded (they load into the model without
+    fastdist): in a file (or a Hugging Face folder) under ``save_path``, named for the
+    model's own class under every strategy, else (if they will be loaded at the end) in
+    memory. The name carries the run's start time, so a new run never overwrites an earlier
+    run's best model. A checkpoint part: it saves the file's path, or the weights it keeps in
+    memory (rank 0's, so that a resumed run ends with the best of the whole run, not of its
+    own part).
+
+    Args:
+        format: how the file is written (:data:`~fastdist.checkpoint.export.FORMATS`).
     """
 
-    def __init__(self, strategy: Strategy, save_path: str | None, keep_in_memory: bool) -> None:
+    def __init__(
+        self,
+        strategy: Strategy,
+        save_path: str | None,
+        keep_in_memory: bool,
+        format: str = "torch",
+    ) -> None:
         self.strategy = strategy
         self.save_path = save_path
         self.keep_in_memory = keep_in_memory
+        self.format = format
         self.path: str | None = None
         self._weights: dict[str, Any] | None = None
 
@@ -41,15 +50,16 @@ class BestModel:
             return
         if self.path is None:
             stamp = time.strftime("%Y-%m-%d-%H-%M-%S")
-            name = f"best_{type(self.strategy.model).__name__}_{metric_key}_{stamp}.pt"
+            cls = model_class(self.strategy.model).__name__  # not FSDP's FSDP<Name>
+            name = f"best_{cls}_{metric_key}_{stamp}{SUFFIXES[self.format]}"
             self.path = os.path.join(self.save_path, name)
-        atomic_save(weights, self.path)
+        write_model(weights, self.path, self.format, self.strategy.model)
 
     def load(self, is_master: bool) -> None:
         """Rank 0 loads the best weights; every rank then holds them (a collective)."""
         weights = None
         if is_master and self.path is not None:
-            weights = torch.load(self.path, map_location="cpu", weights_only=True)
+            weights = read_model(self.path, model_class(self.strategy.model))
         elif is_master:
             weights = self._weights
         self.strategy.load_full_state_dict(weights)

@@ -236,7 +236,7 @@ def _predict_shard(
     many on every rank)."""
     sampler, batch_size = loader.sampler, loader.batch_size or 1
     assert isinstance(sampler, ShardSampler)
-    forward = make_forward(model)
+    forward = make_forward(model, evaluation=True)  # the model's predict() if it has one
     was_training = model.training
     model.eval()
     position = 0

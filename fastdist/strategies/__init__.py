@@ -7,6 +7,6 @@ its options, e.g. ``DDP(bucket_cap_mb=50, comm_hook="powersgd")`` or ``FSDP(wrap
 from fastdist.strategies.base import Strategy
 from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP
-from fastdist.strategies.registry import eval_view, resolve_strategy
+from fastdist.strategies.registry import eval_view, model_class, resolve_strategy
 
-__all__ = ["DDP", "FSDP", "Strategy", "eval_view", "resolve_strategy"]
+__all__ = ["DDP", "FSDP", "Strategy", "eval_view", "model_class", "resolve_strategy"]

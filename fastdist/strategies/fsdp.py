@@ -20,6 +20,7 @@ from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
+    register_fsdp_forward_method,
 )
 
 from fastdist.checkpoint import PER_RANK, SHARDED
@@ -179,6 +180,8 @@ class FSDP(Strategy):
         # Resharding the root after forward would gather its parameters again at once in
         # backward: one more all-gather per micro-batch, ~1 ms per update on a small CPU model.
         fully_shard(model, **{**options, "reshard_after_forward": False})
+        if callable(getattr(model, "predict", None)):  # evaluation calls it: gather there too
+            register_fsdp_forward_method(model, "predict")
         logger.info(
             "fsdp: sharded %d block(s) one by one%s, then the root %s",
             len(blocks),

@@ -1,4 +1,4 @@
-"""Strategies by name, and how to run a module a user hands over already wrapped."""
+"""Strategies by name, and how to run (or name) a module that is wrapped or sharded."""
 
 from __future__ import annotations
 
@@ -37,3 +37,15 @@ def eval_view(model: nn.Module) -> tuple[nn.Module, bool]:
     if isinstance(model, DistributedDataParallel):
         return model.module, False
     return model, isinstance(model, FSDPModule)
+
+
+def model_class(model: nn.Module) -> type[nn.Module]:
+    """The user's class of ``model``: a DDP wrapper's module's; FSDP's ``fully_shard`` swaps
+    a model's class in place for a subclass named ``FSDP<Name>``, whose base it is."""
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    if not isinstance(model, FSDPModule):
+        return type(model)
+    return next(
+        c for c in type(model).__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule)
+    )

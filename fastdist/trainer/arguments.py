@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from fastdist.callbacks.callback import Callback, state_keys
+from fastdist.checkpoint.export import check_format
 from fastdist.checks import check_instance, check_list, check_writable_dir, describe
 from fastdist.distributed.env import get_local_rank, get_world_size, visible_gpu_count
 from fastdist.evaluation.validator import as_metric_list, resolve_metric_key
@@ -92,6 +93,7 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
             "collate_fn must be a function turning a list of samples into a batch, or None "
             f"(torch's default_collate); got {describe(collate_fn)}"
         )
+    check_format("best_model_format", options.best_model_format, model)
     device = resolve_device(options.device)
     options.strategy.check(model, optimizer, device, options.amp)
     for name in ("save_path", "checkpoint_dir"):

@@ -99,6 +99,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
     world = _form_world(options, device)
     model = args.model.to(device)
     forward = make_forward(model)  # from the signature, before compiling
+    evaluate = make_forward(model, evaluation=True)  # the model's predict() if it has one
     if options.compile:
         model.compile()
     strategy = options.strategy
@@ -123,7 +124,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
         loss_fn=args.loss_fn,
         precision=precision,
         data=data,
-        validator=_validator(args, strategy, forward, world.group),
+        validator=_validator(args, strategy, evaluate, world.group),
         callbacks=_callbacks(args, world.rank == 0),
         checkpointer=_checkpointer(options, world.group, state),
         rng=RandomState(world.rank),
@@ -221,7 +222,9 @@ def _validator(args: Arguments, strategy: Strategy, forward: Any, group: Any) ->
         group,
         worker_context(options.multiprocessing_context) if options.num_workers else None,
     )
-    best = BestModel(strategy, options.save_path, keep_in_memory=options.load_best_model)
+    best = BestModel(
+        strategy, options.save_path, options.load_best_model, options.best_model_format
+    )
     return Validator(
         args.dev_data, evaluator, args.metric_key, args.larger_better, options.validate_every, best
     )

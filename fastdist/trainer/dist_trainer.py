@@ -17,6 +17,7 @@ from fastdist.strategies import Strategy
 from fastdist.trainer.build import build
 from fastdist.trainer.loop import Loop
 from fastdist.trainer.preemption import SIGTERM_EXIT_CODE
+from fastdist.trainer.save_model import save_model as run_save_model
 
 
 class DistTrainer:
@@ -64,6 +65,10 @@ class DistTrainer:
         dev_batch_size_per_gpu: evaluation batch size; default ``batch_size_per_gpu``.
         seed: seed of the shuffled order of the training data (the same on every rank).
         load_best_model: load the best evaluated weights into ``model`` when training ends.
+        best_model_format: how the best model is kept in ``save_path``: ``"torch"`` (a
+            ``.pt`` file of its ``state_dict``), ``"safetensors"`` (a ``.safetensors`` file;
+            ``pip install safetensors``) or ``"hf"`` (the folder of the model's
+            ``save_pretrained``, for a transformers model); see :meth:`save_model`.
         timeout: seconds any collective of the trainer may wait before every rank reports
             where each rank is and exits; default torch's (30 minutes).
         on_nonfinite: ``"raise"``: the losses are checked where they are read (every log step,
@@ -145,6 +150,7 @@ class DistTrainer:
         dev_batch_size_per_gpu: int | None = None,
         seed: int = 0,
         load_best_model: bool = True,
+        best_model_format: str = "torch",
         timeout: float | None = None,
         on_nonfinite: str = "raise",
         check_sync_every: int = 0,
@@ -206,6 +212,31 @@ class DistTrainer:
     def evaluate(self, data: Dataset | None = None) -> dict[str, float]:
         """Evaluate ``data`` (default ``dev_data``) with ``metrics``; same dict on every rank."""
         return self._loop.evaluate(data)
+
+    def save_model(self, path: str | os.PathLike, format: str = "torch") -> str:
+        """Write the whole model (its current weights) to ``path``; call it on every rank.
+
+        Under any strategy: a sharded model (FSDP) is gathered, then rank 0 writes it
+        atomically (a temp file or folder, then a rename) and every rank returns once it is
+        written (or raises if rank 0 could not write it).
+
+        Args:
+            path: a file for ``"torch"`` and ``"safetensors"``, a folder for ``"hf"``.
+            format: ``"torch"`` (``torch.save`` of the ``state_dict``), ``"safetensors"``
+                (``pip install safetensors``) or ``"hf"``: the model's own
+                ``save_pretrained`` (a transformers ``PreTrainedModel``), a folder that
+                ``from_pretrained`` loads; in an existing folder the model's files are
+                replaced and the others (a tokenizer's) stay.
+
+        Returns:
+            ``path``, as a ``str``.
+
+        Example:
+            >>> trainer.train()
+            >>> trainer.save_model("out/model", format="hf")  # on every rank
+            >>> GPT2LMHeadModel.from_pretrained("out/model")
+        """
+        return run_save_model(self.strategy, path, format, self._loop.world.group)
 
     def predict(
         self,

@@ -50,15 +50,14 @@ class Loop:
             state.epoch = epoch
             self.world.board.publish(epoch=epoch, step=state.global_step, phase="train")
             callbacks.on_epoch_begin()
-            for batch in self._batches(epoch):  # sets state.batch_idx, is_update, is_filler
-                share = self.data.weights[state.batch_idx]
+            for batch, share, samples in self._batches(epoch):  # sets state.batch_idx, ...
                 callbacks.on_batch_begin(batch)
                 # Only the last micro-batch of a window all-reduces gradients.
                 with contextlib.nullcontext() if state.is_update else self.strategy.no_sync():
-                    with self.precision.autocast(), eval_mode(self.model, state.is_filler):
+                    with self.precision.autocast(), forward_mode(self.model, state.is_filler):
                         output = run.forward(self.strategy.module, batch)
                         callbacks.on_loss_begin(batch, output)
-                        loss = self.losses.add(run.loss_fn(output, batch), share)
+                        loss = self.losses.add(run.loss_fn(output, batch), share, samples)
                     callbacks.on_backward_begin(loss)
                     weight = self.losses.weight(share)
                     self.precision.backward(loss if weight == 1.0 else loss * weight)
@@ -98,9 +97,11 @@ class Loop:
         first = state.epoch + 1 if state.epoch_complete else state.epoch
         return range(max(first, 1), self.options.n_epochs + 1)
 
-    def _batches(self, epoch: int) -> Iterator[Any]:
-        """This epoch's micro-batches on the device, from where training stands in it; the
-        timer times ``next()`` and the copy to the device as the data wait."""
+    def _batches(self, epoch: int) -> Iterator[tuple[Any, float, int]]:
+        """This epoch's micro-batches on the device, from where training stands in it, each
+        with its loss weight and its samples (0 for a filler); ``state.batch_idx``,
+        ``is_update`` and ``is_filler`` say where it is. The timer times ``next()`` and the
+        copy to the device as the data wait."""
         state, update_every = self.state, self.options.update_every
         if state.epoch_complete:
             state.samples_in_epoch = state.batches_in_epoch = 0
@@ -118,8 +119,9 @@ class Loop:
             state.batch_idx = batch_idx
             n = len(self.data.weights)  # a stream's grows by a window at a time
             state.is_update = (batch_idx + 1) % update_every == 0 or batch_idx + 1 == n
-            state.is_filler = self.data.weights[batch_idx] == 0.0  # trains nothing
-            yield batch
+            share = self.data.weights[batch_idx]
+            state.is_filler = share == 0.0  # trains nothing
+            yield batch, share, self.data.samples[batch_idx]
 
     def _optimizer_step(self) -> bool:
         """Step, unless the gradients are non-finite or fp16 overflowed; say whether it did."""
@@ -226,6 +228,12 @@ class Loop:
     def fit(self, resume: bool | str | os.PathLike) -> dict[str, Any]:
         """What ``DistTrainer.train`` does: resume, train, end; the result on every rank."""
         start, state, options = time.time(), self.state, self.options
+        arrived_training = self.model.training
+        if not arrived_training:
+            logger.info(
+                "the model came in eval mode (as from_pretrained returns it): it trains in "
+                "train mode (dropout on) and is put back in eval mode after training"
+            )
         self._begin(self.run.checkpointer.restore(resume))
         try:
             with self.run.sigterm.watching(), self.timer.hooked(self.model):
@@ -243,6 +251,7 @@ class Loop:
             raise
         finally:
             self.progress.close()
+            self.model.train(arrived_training)
         result = {
             "best_eval": state.best_eval,
             "best_epoch": state.best_epoch,
@@ -337,14 +346,17 @@ class Loop:
 
 
 @contextlib.contextmanager
-def eval_mode(model: nn.Module, active: bool) -> Iterator[None]:
-    """Run in eval mode while ``active`` (a filler: no batch-norm statistics, no dropout)."""
-    if not active:  # the common case: touch nothing (train() walks every module)
+def forward_mode(model: nn.Module, filler: bool) -> Iterator[None]:
+    """Train mode for a micro-batch that trains, whatever mode the model came in (a
+    ``from_pretrained`` model comes in eval mode) or a callback left it in; eval mode for a
+    filler (no batch-norm statistics, no dropout), then train mode again."""
+    if not filler:
+        if not model.training:  # the root's flag: train() walks every module
+            model.train()
         yield
         return
-    was_training = model.training
     model.eval()
     try:
         yield
     finally:
-        model.train(was_training)
+        model.train()

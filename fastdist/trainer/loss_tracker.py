@@ -22,9 +22,12 @@ BUFFER_SIZE = 1024
 class LossTracker:
     """Losses and their counts of the current update and of the updates since the last read.
 
-    A loss is either the mean of its micro-batch (count 1; the micro-batch is weighted by its
-    share of the update's samples) or a ``(sum, count)`` pair (e.g. summed token losses and
-    the token count), whose gradients are divided by the update's count over all ranks.
+    A loss is either the mean of its micro-batch (its gradient weighted by the micro-batch's
+    share of the update's samples; recorded as ``mean x samples`` with count ``samples``) or
+    a ``(sum, count)`` pair (e.g. summed token losses and the token count), whose gradients
+    are divided by the update's count over all ranks. The loss read at a sync point, the sum
+    over the ranks divided by their count, is thus the mean over the samples (the tokens) of
+    the updates since the last read: the same at any world size.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -41,12 +44,14 @@ class LossTracker:
         self.n_folded = 0
         self.since_step = 0  # the optimizer step the pending updates follow
 
-    def add(self, result: Any, share: float = 1.0) -> torch.Tensor:
+    def add(self, result: Any, share: float = 1.0, samples: int = 1) -> torch.Tensor:
         """Record one micro-batch's loss function result; return the loss to backpropagate.
 
-        A filler micro-batch (``share`` 0) is not recorded: it trains and reports nothing.
+        ``samples`` is the micro-batch's number of samples (what a mean loss is weighted by
+        in the logged loss). A filler micro-batch (``share`` 0) is not recorded: it trains and
+        reports nothing.
         """
-        loss, count = result, 1
+        loss, count = result, samples
         self.counted = isinstance(result, tuple)
         if self.counted:
             loss, count = result
@@ -57,7 +62,8 @@ class LossTracker:
                 f"count) pair, got {shape}: reduce it inside the loss, e.g. with .mean()"
             )
         if share:
-            self.window.append(loss.detach())
+            # float64 before weighting: a bf16 loss times 3 would round.
+            self.window.append(loss.detach() if self.counted else loss.detach().double() * samples)
             self.window_count = self.window_count + count
         return loss
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from fastdist.checkpoint.export import FORMATS
 from fastdist.checks import (
     check_bool,
     check_choice,
@@ -47,6 +48,7 @@ class TrainerOptions:
     seed: int
     metric_key: str | None
     load_best_model: bool
+    best_model_format: str
     save_path: str | None
     checkpoint_dir: str | None
     checkpoint_every: int
@@ -108,6 +110,7 @@ class TrainerOptions:
         check_choice("amp", self.amp, (None, "bf16", "fp16"))
         check_choice("multiprocessing_context", self.multiprocessing_context, CONTEXTS)
         check_choice("on_nonfinite", self.on_nonfinite, ("raise", "skip"))
+        check_choice("best_model_format", self.best_model_format, FORMATS)
         if self.on_nonfinite == "skip" and self.strategy.local_steps:
             raise ValueError(
                 "on_nonfinite='skip' needs the gradients all-reduced every update, so that every "

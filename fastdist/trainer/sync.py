@@ -33,8 +33,9 @@ class Agreement:
         stop_requested: some rank asked to stop (:meth:`DistTrainer.request_stop`).
         preempted: some rank got SIGTERM or the requeue signal (a pre-emption: checkpoint,
             then exit).
-        loss: the mean training loss over all ranks since the last read (when asked to read
-            it and some update ran), else ``None``.
+        loss: the mean training loss over the samples (the tokens, for a ``(sum, count)``
+            loss) of every rank's updates since the last read (when asked to read it and some
+            update ran), else ``None``.
         rank_times: every rank's mean time split per update since the last sync that covered
             updates, and how many updates it covers; ``None`` if none ran.
         requeue: some rank got the requeue signal of a SLURM job (after the checkpoint, the
