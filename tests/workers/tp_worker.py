@@ -6,8 +6,10 @@ Usage::
     tp_worker.py two OUT_DIR    # torchrun, 2 ranks: DDP, tp=2 alone, the 2x2 checkpoint on FSDP
     tp_worker.py one OUT_DIR    # one process: the 2x2 checkpoint on the plain model
 
-Writes ``OUT_DIR/<mode>/rank<R>.json``. Every run trains tests/workers/fsdp_worker.py's
-BlockNet with AdamW, update_every=2 and gradient clipping over 40 samples (global batch 16).
+Writes ``OUT_DIR/<mode>/rank<R>.json``; on 4 and 2 ranks also a memory estimate against the
+measured peak (tests/workers/estimate_worker.py) for the 2x2 mesh, DDP and FSDP. The other
+runs train tests/workers/fsdp_worker.py's BlockNet with AdamW, update_every=2 and gradient
+clipping over 40 samples (global batch 16).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from workers import estimate_worker
 from workers.fsdp_worker import BlockNet
 from workers.trainer_worker import ToyData, write_json
 
@@ -130,10 +133,13 @@ def main(argv: list[str]) -> int:
             checkpoint_every=1,
             callbacks=[KillOnce()],
         )
+        plan = estimate_worker.PLAN
+        result["estimate"] = {"2d": estimate_worker.compare(FSDP(tp=2, tp_plan=plan), 4, 2)}
     elif mode == "two":
         result["ddp"] = train("ddp", 4)
         result["tp"] = train(FSDP(tp=2, tp_plan=PLAN), 8)  # one data shard: twice the batch
         result["resharded"] = resume_copy(out, 4, "fsdp")
+        result["estimate"] = {s: estimate_worker.compare(s, 2, 2) for s in ("ddp", "fsdp")}
     else:
         result["resharded"] = resume_copy(out, 8, "fsdp")
     write_json(out, result)
