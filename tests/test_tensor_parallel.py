@@ -1,10 +1,11 @@
 """FSDP with tensor parallelism (``FSDP(tp=2, tp_plan=...)``) against DDP, in three launches.
 
 tests/workers/tp_worker.py, on 4 ranks: three bad setups (each must fail alike on every rank
-before the mesh exists), then a 2x2 mesh (dp_shard x tp) trained three times: plainly, with
-activation checkpointing, and killed at update 3 and resumed by torchrun (max_restarts=1).
-On 2 ranks: DDP, tp=2 alone (one data shard, twice the batch: the same global batch) and the
-2x2 run's last checkpoint resumed on FSDP. On one process: that checkpoint on the plain model.
+before the mesh exists), then a 2x2 mesh (dp_shard x tp) trained four times: plainly, with
+activation checkpointing, compiled block by block, and killed at update 3 and resumed by
+torchrun (max_restarts=1). On 2 ranks: DDP, tp=2 alone (one data shard, twice the batch: the
+same global batch), FSDP compiled block by block and the 2x2 run's last checkpoint resumed on
+FSDP. On one process: that checkpoint on the plain model.
 Every run: AdamW, update_every=2, gradient clipping by global norm. The 4- and 2-rank worlds
 also train a wider model to hold fastdist.estimate_memory to the peak memory measured.
 """
@@ -27,6 +28,8 @@ pytestmark = pytest.mark.slow
 #: Every allocation above 64 KiB its own mapping: freed tensors leave the resident memory at
 #: once, so that its high-water mark follows the live tensors (the estimate's measured peak).
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+# Each launch compiles afresh: compiled code cached on disk by an earlier launch names the
+# process groups as that launch numbered them.
 
 
 def read(out: Path, mode: str, size: int) -> list[dict[str, Any]]:
@@ -41,8 +44,9 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def four(out: Path) -> list[dict[str, Any]]:
+    env = {**MALLOC, "TORCHINDUCTOR_CACHE_DIR": str(out / "inductor-four")}
     result = run_torchrun(
-        WORKER, 4, ["four", str(out)], timeout=240, cwd=out, max_restarts=1, env=MALLOC
+        WORKER, 4, ["four", str(out)], timeout=240, cwd=out, max_restarts=1, env=env
     )
     assert "resumed from" in result.output and "step 3" in result.output, result.describe()
     return read(out, "four", 4)
@@ -50,7 +54,8 @@ def four(out: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def two(out: Path, four: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    run_torchrun(WORKER, 2, ["two", str(out)], timeout=180, cwd=out, env=MALLOC)
+    env = {**MALLOC, "TORCHINDUCTOR_CACHE_DIR": str(out / "inductor-two")}
+    run_torchrun(WORKER, 2, ["two", str(out)], timeout=180, cwd=out, env=env)
     return read(out, "two", 2)
 
 
@@ -96,6 +101,15 @@ def test_activation_checkpointing_on_2x2_keeps_the_parameters(
 ) -> None:
     mesh, checkpointed = four[0]["mesh"], four[0]["checkpointed"]
     torch.testing.assert_close(params(checkpointed), params(mesh), rtol=0, atol=1e-6)
+
+
+def test_compile_per_block_under_fsdp_and_2x2(
+    four: list[dict[str, Any]], two: list[dict[str, Any]]
+) -> None:
+    for compiled in (four[0]["compiled"], two[0]["compiled"]):
+        assert compiled["compiled"] == ["blocks.0", "blocks.1"]  # each block, not the root
+        torch.testing.assert_close(params(compiled), params(two[0]["ddp"]), rtol=0, atol=1e-5)
+    assert four[0]["mesh"]["compiled"] == []
 
 
 def test_bad_input_fails_alike_on_every_rank_before_the_mesh(four: list[dict[str, Any]]) -> None:
