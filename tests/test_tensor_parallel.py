@@ -1,13 +1,13 @@
 """FSDP with tensor parallelism (``FSDP(tp=2, tp_plan=...)``) against DDP, in three launches.
 
 tests/workers/tp_worker.py, on 4 ranks: three bad setups (each must fail alike on every rank
-before the mesh exists), then a 2x2 mesh (dp_shard x tp) trained four times: plainly, with
-activation checkpointing, compiled block by block, and killed at update 3 and resumed by
-torchrun (max_restarts=1). On 2 ranks: DDP, tp=2 alone (one data shard, twice the batch: the
-same global batch), FSDP compiled block by block and the 2x2 run's last checkpoint resumed on
-FSDP. On one process: that checkpoint on the plain model.
-Every run: AdamW, update_every=2, gradient clipping by global norm. The 4- and 2-rank worlds
-also train a wider model to hold fastdist.estimate_memory to the peak memory measured.
+before the mesh exists), then a 2x2 mesh (dp_shard x tp) trained five times: plainly, with
+activation checkpointing, with amp="bf16", compiled block by block, and killed at update 3
+and resumed by torchrun (max_restarts=1). On 2 ranks: DDP, tp=2 alone (one data shard, twice
+the batch: the same global batch), FSDP compiled block by block and the 2x2 run's last
+checkpoint resumed on FSDP. On one process: that checkpoint on the plain model. Every run:
+AdamW, update_every=2, gradient clipping by global norm. The 4- and 2-rank worlds also train
+a wider model to hold fastdist.estimate_memory to the peak memory measured.
 """
 
 from __future__ import annotations
@@ -110,6 +110,13 @@ def test_compile_per_block_under_fsdp_and_2x2(
         assert compiled["compiled"] == ["blocks.0", "blocks.1"]  # each block, not the root
         torch.testing.assert_close(params(compiled), params(two[0]["ddp"]), rtol=0, atol=1e-5)
     assert four[0]["mesh"]["compiled"] == []
+
+
+def test_bf16_on_2x2_trains(four: list[dict[str, Any]]) -> None:
+    losses = torch.tensor(four[0]["bf16"]["losses"])
+    assert len(losses) == 10 and bool(torch.isfinite(losses).all())
+    assert losses[-3:].sum() < losses[:3].sum()
+    torch.testing.assert_close(params(four[0]["bf16"]), params(four[0]["mesh"]), rtol=0, atol=0.05)
 
 
 def test_bad_input_fails_alike_on_every_rank_before_the_mesh(four: list[dict[str, Any]]) -> None:

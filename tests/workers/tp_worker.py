@@ -35,6 +35,14 @@ KILL_AT = 3  # the 2x2 run's rank 1 dies before this update's first micro-batch,
 N_TRAIN, N_DEV = 40, 13
 
 
+class LossLog(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_backward_begin(self, loss: Any) -> None:
+        self.losses.append(float(loss))
+
+
 class KillOnce(Callback):
     def on_batch_begin(self, batch: Any) -> None:
         first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -134,6 +142,9 @@ def main(argv: list[str]) -> int:
         result["bad_input"] = bad_input()
         result["mesh"] = train(FSDP(tp=2, tp_plan=PLAN), 4)
         result["checkpointed"] = train(FSDP(tp=2, tp_plan=PLAN), 4, activation_checkpointing=True)
+        log = LossLog()
+        result["bf16"] = train(FSDP(tp=2, tp_plan=PLAN), 4, amp="bf16", callbacks=[log])
+        result["bf16"]["losses"] = log.losses
         result["killed"] = train(
             FSDP(tp=2, tp_plan=PLAN),
             4,
