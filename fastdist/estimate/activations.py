@@ -45,17 +45,26 @@ class Activations:
     batch_size: int
 
     def kept(self, period: int = 0, casts: bool = True) -> int:
-        """Peak bytes of the activations with every ``period``-th block checkpointed (0: none):
-        what the other blocks keep, the checkpointed blocks' inputs, and the largest
-        checkpointed block's own activations, recomputed in backward; without parameter
-        ``casts`` unless asked."""
+        """Peak bytes of the activations with every ``period``-th block checkpointed (0: none),
+        without parameter ``casts`` unless asked: the larger of what the forward keeps (the
+        other blocks' activations, the checkpointed blocks' inputs) and, while a checkpointed
+        block recomputes its own in backward, what is still kept for the blocks before it
+        (those after it have run their backward and freed theirs)."""
         chosen = set(range(0, len(self.inputs), period)) if period else set()
-        kept = {ptr for ptr, owners in self.owners.items() if owners - chosen}
-        kept |= {ptr for i in chosen for ptr in self.inputs[i]}
-        if not casts:
-            kept -= self.casts
-        recomputed = max((self._inside(i, casts) for i in chosen), default=0)
-        return sum(self.sizes[ptr] for ptr in kept) + recomputed
+        dropped = set() if casts else set(self.casts)
+
+        def size(ptrs: set[int]) -> int:
+            return sum(self.sizes[ptr] for ptr in ptrs - dropped)
+
+        def kept_before(block: int) -> set[int]:  # OUTSIDE (-1) counts as before every block
+            kept = {
+                p for p, owners in self.owners.items() if any(o < block for o in owners - chosen)
+            }
+            return kept | {p for i in chosen if i <= block for p in self.inputs[i]}
+
+        forward = size(kept_before(len(self.inputs)))
+        recomputing = (size(kept_before(i)) + self._inside(i, casts) for i in chosen)
+        return max([forward, *recomputing])
 
     def backward_start(self, period: int = 0, casts: bool = True) -> int:
         """:meth:`kept`, plus the gradient of the largest kept tensor (typically the loss's

@@ -6,8 +6,10 @@ Usage::
     checkpointing_worker.py OUT_DIR
 
 Writes ``OUT_DIR/rank<R>.json``: for each strategy and setting, the final parameters (rank 0,
-gathered) and the peak memory of ``train()`` over the resident memory before it (``VmHWM``
-after resetting it with ``/proc/self/clear_refs``, minus ``VmRSS``), in bytes.
+gathered), the peak memory of ``train()`` over the resident memory before it (``VmHWM``
+after resetting it with ``/proc/self/clear_refs``, minus ``VmRSS``), that plus the
+parameters held, and ``fastdist.estimate_memory``'s peak for the same configuration, in
+bytes.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from workers.estimate_worker import held
 from workers.trainer_worker import CLASSES, DIM, ToyData, write_json
 
-from fastdist import CrossEntropyLoss, DistTrainer
+from fastdist import CrossEntropyLoss, DistTrainer, estimate_memory
 from fastdist.callbacks import GradientClipCallback
 
 WIDTH, LAYERS, BLOCKS, BATCH = 1024, 6, 4, 1024  # each layer keeps BATCH x WIDTH floats: 4 MiB
@@ -65,10 +68,23 @@ def status_bytes(field: str) -> int:
 
 def run(strategy: str, checkpointing: bool | str) -> dict[str, Any]:
     model = Deep()
-    trainer = DistTrainer(
-        ToyData(BATCH * 2 * 2 * 2),  # 2 ranks, update_every 2: 2 updates
+    data = ToyData(BATCH * 2 * 2 * 2)  # 2 ranks, update_every 2: 2 updates
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    batch = {"x": data.x[:BATCH], "target": data.target[:BATCH]}
+    estimate = estimate_memory(
         model,
-        optimizer=torch.optim.AdamW(model.parameters(), lr=0.01),
+        optimizer,
+        batch,
+        strategy,
+        2,
+        loss=CrossEntropyLoss(),
+        update_every=2,
+        activation_checkpointing=checkpointing,
+    )
+    trainer = DistTrainer(
+        data,
+        model,
+        optimizer=optimizer,
         loss=CrossEntropyLoss(),
         callbacks_all=[GradientClipCallback(clip_value=0.5)],
         batch_size_per_gpu=BATCH,
@@ -90,7 +106,8 @@ def run(strategy: str, checkpointing: bool | str) -> dict[str, Any]:
         plain = Deep()
         plain.load_state_dict(full)  # strict: the wrappers left the names as they were
         params = torch.cat([p.detach().flatten() for p in plain.parameters()]).tolist()
-    return {"peak": peak, "params": params}
+    measured = held(trainer.model) + peak  # as tests/workers/estimate_worker.py measures
+    return {"peak": peak, "params": params, "estimate": estimate.peak, "measured": measured}
 
 
 def main(argv: list[str]) -> int:
