@@ -4,10 +4,11 @@ tests/workers/tp_worker.py, on 4 ranks: three bad setups (each must fail alike o
 before the mesh exists), then a 2x2 mesh (dp_shard x tp) trained five times: plainly, with
 activation checkpointing, with amp="bf16", compiled block by block, and killed at update 3
 and resumed by torchrun (max_restarts=1). On 2 ranks: DDP, tp=2 alone (one data shard, twice
-the batch: the same global batch), FSDP compiled block by block and the 2x2 run's last
-checkpoint resumed on FSDP. On one process: that checkpoint on the plain model. Every run:
-AdamW, update_every=2, gradient clipping by global norm. The 4- and 2-rank worlds also train
-a wider model to hold fastdist.estimate_memory to the peak memory measured.
+the batch: the same global batch), a tiny Hugging Face Llama under its own plan and under DDP,
+FSDP compiled block by block and the 2x2 run's last checkpoint resumed on FSDP. On one
+process: that checkpoint on the plain model. Every run: AdamW, update_every=2, gradient
+clipping by global norm (the Llama: none). The 4- and 2-rank worlds also train a wider model
+to hold fastdist.estimate_memory to the peak memory measured.
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ def test_tp_alone_and_2x2_equal_ddp(four: list[dict[str, Any]], two: list[dict[s
     for run in (two[0]["tp"], four[0]["mesh"]):
         assert run["steps"] == two[0]["ddp"]["steps"] == 6
         torch.testing.assert_close(params(run), ddp, rtol=0, atol=1e-5)
+
+
+def test_hugging_face_model_with_its_own_plan_equals_ddp(two: list[dict[str, Any]]) -> None:
+    hf = two[0]["hf"]
+    if hf["ddp"] is None:
+        pytest.skip("transformers is not installed")
+    torch.testing.assert_close(torch.tensor(hf["tp"]), torch.tensor(hf["ddp"]), rtol=0, atol=1e-5)
 
 
 def test_evaluate_and_predict_equal_ddp(

@@ -101,6 +101,54 @@ def train(strategy: Any, batch: int, **options: Any) -> dict[str, Any]:
     }
 
 
+class Tokens(torch.utils.data.Dataset):
+    """32 sequences of 16 token ids, their own labels (a causal language model's data)."""
+
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 100, (32, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def hugging_face(strategy: Any, batch: int) -> list[float] | None:
+    """Train a tiny Llama (its own loss; under tp its own config.base_model_tp_plan); its
+    final parameters on rank 0, in state-dict order (``None``: no transformers here)."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    run = DistTrainer(
+        Tokens(),
+        model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        loss=None,
+        batch_size_per_gpu=batch,
+        update_every=2,
+        n_epochs=1,
+        print_every=10_000,
+        use_tqdm=False,
+        device="cpu",
+        strategy=strategy,
+    )
+    run.train()
+    full = run.strategy.full_state_dict()
+    return None if full is None else torch.cat([v.flatten() for v in full.values()]).tolist()
+
+
 def bad_input() -> dict[str, str]:
     """The error of each bad tensor-parallel setup (on 4 ranks), and whether a mesh was made."""
     cases = {
@@ -159,6 +207,7 @@ def main(argv: list[str]) -> int:
     elif mode == "two":
         result["ddp"] = train("ddp", 4)
         result["tp"] = train(FSDP(tp=2, tp_plan=PLAN), 8)  # one data shard: twice the batch
+        result["hf"] = {"ddp": hugging_face("ddp", 2), "tp": hugging_face(FSDP(tp=2), 4)}
         result["compiled"] = train("fsdp", 4, compile=True, timeout=None)  # see below
         result["resharded"] = resume_copy(out, 4, "fsdp")
         result["estimate"] = {s: estimate_worker.compare(s, 2, 2) for s in ("ddp", "fsdp")}
