@@ -20,6 +20,7 @@ from fastdist.distributed import (
     rank_zero_first,
     rank_zero_only,
 )
+from fastdist.estimate import estimate_memory
 from fastdist.evaluation import predict
 from fastdist.logging import add_file, init_logger_dist, logger
 from fastdist.losses import CrossEntropyLoss, Loss
@@ -47,6 +48,7 @@ __all__ = [
     "all_gather_object",
     "barrier",
     "broadcast_object",
+    "estimate_memory",
     "get_local_rank",
     "get_rank",
     "get_world_size",

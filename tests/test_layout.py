@@ -26,7 +26,7 @@ LAYERS = [
     ],
     ["fastdist.data", "fastdist.checkpoint", "fastdist.callbacks"],
     ["fastdist.strategies"],
-    ["fastdist.evaluation"],
+    ["fastdist.evaluation", "fastdist.estimate"],
     ["fastdist.trainer"],
     ["fastdist", "fastdist.cli", "fastdist.__main__"],
 ]

@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from fastdist.callbacks.callback import Callback
+from fastdist.distributed.norms import by_mesh, global_norm
+
+
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their global 2-norm is at most ``max_norm``; return the
+    norm before. As torch's ``clip_grad_norm_``, for gradients on several device meshes too
+    (FSDP with tensor parallelism): the norm is taken over every mesh, the scaling per mesh."""
+    params = [p for p in parameters if p.grad is not None]
+    total = global_norm(p.grad for p in params if p.grad is not None)
+    for group in by_mesh(params).values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 class GradientClipCallback(Callback):
     """Clip gradients by global norm or by value before each optimizer update.
 
     Put it in ``callbacks_all``. It runs after the window's last backward, when DDP has
-    averaged the gradients, so every rank clips the same gradients the same way.
+    averaged the gradients, so every rank clips the same gradients the same way; under FSDP,
+    tensor parallel too, by the global norm over every shard (:func:`clip_grad_norm`).
 
     Args:
         clip_value: the maximum norm (``clip_type="norm"``) or absolute value (``"value"``).
@@ -37,6 +52,6 @@ class GradientClipCallback(Callback):
         self.trainer.precision.unscale_(self.trainer.optimizer)  # fp16: true scale first
         params = self.parameters or list(self.trainer.model.parameters())
         if self.clip_type == "norm":
-            torch.nn.utils.clip_grad_norm_(params, self.clip_value)
+            clip_grad_norm(params, self.clip_value)
         else:
             torch.nn.utils.clip_grad_value_(params, self.clip_value)

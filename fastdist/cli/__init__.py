@@ -3,6 +3,7 @@
 Commands:
     env: print what a bug report needs (versions, CUDA, backends, torchrun variables) and
         whether a process group can be formed here.
+    estimate: the memory per rank of a model under DDP, FSDP and tensor parallelism.
     plot: draw the curves of one or more ``JSONLogCallback`` logs into a PNG.
     export: write the model of a checkpoint (sharded or not) as one file, offline.
 
@@ -17,6 +18,7 @@ import argparse
 from collections.abc import Sequence
 
 from fastdist.cli.env import add_parser as add_env_parser
+from fastdist.cli.estimate import add_parser as add_estimate_parser
 from fastdist.cli.export import add_parser as add_export_parser
 from fastdist.cli.plot import add_parser as add_plot_parser
 
@@ -28,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_env_parser(commands)
+    add_estimate_parser(commands)
     add_plot_parser(commands)
     add_export_parser(commands)
     return parser

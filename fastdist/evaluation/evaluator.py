@@ -13,8 +13,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
 from fastdist.data.feed import to_device
-from fastdist.distributed import all_reduce_sum, get_rank, get_world_size
+from fastdist.distributed import all_reduce_sum, get_rank
 from fastdist.metrics import Metric
+from fastdist.strategies import data_shard
 
 
 class ShardSampler(Sampler[int]):
@@ -34,18 +35,20 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-def padded_batches(loader: DataLoader, equal_forwards: bool) -> Iterator[tuple[Any, bool]]:
-    """``(batch, is_real)``: this rank's batches of a :class:`ShardSampler` loader; with
-    ``equal_forwards`` (a sharded model: each forward all-gathers parameters, a collective
-    every rank must join) then padding batches (the dataset's first sample, to be discarded)
-    until every rank ran as many forwards as the largest shard needs."""
+def padded_batches(
+    loader: DataLoader, equal_forwards: bool, shards: int
+) -> Iterator[tuple[Any, bool]]:
+    """``(batch, is_real)``: this rank's batches of a :class:`ShardSampler` loader (one of
+    ``shards``); with ``equal_forwards`` (a sharded model: each forward all-gathers
+    parameters, a collective every rank must join) then padding batches (the dataset's first
+    sample, to be discarded) until every rank ran as many forwards as the largest shard needs."""
     for batch in loader:
         yield batch, True
     if not equal_forwards:
         return
     batch_size = loader.batch_size or 1
-    n, world = len(loader.dataset), get_world_size()  # type: ignore[arg-type]
-    largest_shard = math.ceil(n / world)
+    n = len(loader.dataset)  # type: ignore[arg-type]
+    largest_shard = math.ceil(n / shards)
     most = math.ceil(largest_shard / batch_size)
     pad = DataLoader(loader.dataset, batch_size=1, sampler=[0], collate_fn=loader.collate_fn)
     for _ in range(most - len(loader)):
@@ -88,7 +91,8 @@ class Evaluator:
     @torch.no_grad()
     def evaluate(self, data: Dataset) -> dict[str, float]:
         """Score ``data`` (a map-style dataset) and return the flat ``{key: value}`` result."""
-        sampler = ShardSampler(len(data), get_rank(), get_world_size())  # type: ignore[arg-type]
+        shard = data_shard(self.model)  # tensor-parallel peers score the same samples
+        sampler = ShardSampler(len(data), shard.rank, shard.size)  # type: ignore[arg-type]
         loader = DataLoader(
             data,
             batch_size=self.batch_size,
@@ -104,11 +108,11 @@ class Evaluator:
         try:
             # A short bar of its own on rank 0, on a terminal only.
             show = get_rank() == 0 and sys.stderr.isatty()
-            batches = padded_batches(loader, self.equal_forwards)
+            batches = padded_batches(loader, self.equal_forwards, shard.size)
             for batch, real in tqdm(batches, desc="evaluate", leave=False, disable=not show):
                 batch = to_device(batch, self.device)
                 output = self.forward(self.model, batch)
-                for metric in self.metrics if real else ():
+                for metric in self.metrics if real and shard.primary else ():
                     metric.update(output, batch)
         finally:
             self.model.train(was_training)

@@ -10,11 +10,12 @@ no rank holds all outputs in memory unless a list is asked for.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import IO, Any
 
 import torch
 from torch import nn
@@ -22,10 +23,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from fastdist.data.feed import make_forward, to_device
 from fastdist.data.workers import worker_context
-from fastdist.distributed import all_gather_object, get_rank, get_world_size
+from fastdist.distributed import all_gather_object, get_rank
 from fastdist.evaluation.evaluator import ShardSampler, padded_batches
 from fastdist.evaluation.spill import Writer, cleanup, merge, open_work_dir, spill_path
-from fastdist.strategies import eval_view
+from fastdist.strategies import data_shard, eval_view
 
 #: ``to_output(output, batch)``: the per-sample outputs of one batch, in batch order.
 ToOutput = Callable[[Any, Any], list[Any]]
@@ -95,18 +96,19 @@ def predict(
         >>> predict(model, test_data, output_path="pred.jsonl")  # rank 0 writes the file
     """
     n = _check_args(data, batch_size_per_gpu, output_path, writer, to_output, num_workers)
-    rank, world = get_rank(), get_world_size()
+    rank = get_rank()
     model, equal_forwards = eval_view(model)  # a DDP wrapper is unwrapped
+    shard = data_shard(model)  # tensor-parallel peers predict the same samples; one writes
     if device is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
     device = torch.device(device)
     as_json = output_path is not None
     work = open_work_dir(shared_dir, output_path, rank, group)
-    spill = spill_path(work, rank, as_json)
+    spill = spill_path(work, shard.rank, as_json) if shard.primary else None
     handed_over = False  # another rank's spill file stays until rank 0 has read it
     try:
-        sampler = ShardSampler(n, rank, world)
+        sampler = ShardSampler(n, shard.rank, shard.size)
         loader = DataLoader(
             data,  # type: ignore[arg-type]  # any sequence works at run time
             batch_size=batch_size_per_gpu,
@@ -121,13 +123,15 @@ def predict(
         error: str | None = None
         failure: Exception | None = None
         try:
-            _predict_shard(model, equal_forwards, loader, device, to_output, spill, as_json)
+            shards = shard.size
+            _predict_shard(model, equal_forwards, loader, device, to_output, spill, as_json, shards)
         except Exception as exc:  # the others must still learn of it: no rank may hang
             failure, error = exc, f"{type(exc).__name__}: {exc}"
         # The one collective after the loop: a barrier that also carries every rank's outcome.
         failed = _agree(error, group)
+        own = () if spill is None else (spill,)
         if failed:
-            cleanup(work, rank, (spill,))
+            cleanup(work, rank, own)
             _barrier(group)  # nobody raises (and exits) before rank 0 has removed the dir
             if failure is not None:
                 raise failure
@@ -135,10 +139,10 @@ def predict(
         if rank != 0:
             handed_over = True
             return None
-        return merge(work, n, world, as_json, output_path, writer)
+        return merge(work, n, shard.size, as_json, output_path, writer)
     finally:
         if not handed_over:
-            cleanup(work, rank, (spill,))
+            cleanup(work, rank, () if spill is None else (spill,))
 
 
 def split_output(output: Any, n: int) -> list[Any]:
@@ -228,12 +232,14 @@ def _predict_shard(
     loader: DataLoader,
     device: torch.device,
     to_output: ToOutput | None,
-    spill: str,
+    spill: str | None,
     as_json: bool,
+    shards: int,
 ) -> None:
-    """Predict this rank's shard (``loader``, of a :class:`ShardSampler`) and stream the
-    outputs to ``spill``; no collectives of its own (an FSDP model's forwards are, made equally
-    many on every rank)."""
+    """Predict this rank's shard (``loader``, of a :class:`ShardSampler`, one of ``shards``)
+    and stream the outputs to ``spill`` (``None``: run the forwards only, a tensor-parallel
+    peer's); no collectives of its own (an FSDP model's forwards are, made equally many on
+    every rank)."""
     sampler, batch_size = loader.sampler, loader.batch_size or 1
     assert isinstance(sampler, ShardSampler)
     forward = make_forward(model, evaluation=True)  # the model's predict() if it has one
@@ -241,11 +247,11 @@ def _predict_shard(
     model.eval()
     position = 0
     try:
-        with open(spill, "w" if as_json else "wb") as f, torch.no_grad():
-            for batch, real in padded_batches(loader, equal_forwards):
+        with _spill_file(spill, as_json) as f, torch.no_grad():
+            for batch, real in padded_batches(loader, equal_forwards, shards):
                 batch = to_device(batch, device)
                 output = forward(model, batch)
-                if not real:
+                if not real or f is None:
                     continue
                 indices = sampler.indices[position : position + batch_size]
                 items = (
@@ -266,6 +272,16 @@ def _predict_shard(
                 position += len(indices)
     finally:
         model.train(was_training)
+
+
+@contextlib.contextmanager
+def _spill_file(spill: str | None, as_json: bool) -> Iterator[IO[Any] | None]:
+    """The open spill file, or ``None`` where there is none to write."""
+    if spill is None:
+        yield None
+        return
+    with open(spill, "w" if as_json else "wb") as f:
+        yield f
 
 
 def _agree(error: str | None, group: Any) -> dict[int, str]:

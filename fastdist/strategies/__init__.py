@@ -1,12 +1,23 @@
 """Parallelism strategies: option objects that wrap the model, one module each.
 
 ``DistTrainer(strategy=...)`` takes ``"ddp"`` (the default), ``"fsdp"`` or an object holding
-its options, e.g. ``DDP(bucket_cap_mb=50, comm_hook="powersgd")`` or ``FSDP(wrap=[Block])``.
+its options, e.g. ``DDP(bucket_cap_mb=50, comm_hook="powersgd")``, ``FSDP(wrap=[Block])`` or
+``FSDP(tp=2, tp_plan=...)`` (FSDP with tensor parallelism on a 2-D mesh).
 """
 
 from fastdist.strategies.base import Strategy
 from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP
 from fastdist.strategies.registry import eval_view, model_class, resolve_strategy
+from fastdist.strategies.tensor_parallel import DataShard, data_shard
 
-__all__ = ["DDP", "FSDP", "Strategy", "eval_view", "model_class", "resolve_strategy"]
+__all__ = [
+    "DDP",
+    "FSDP",
+    "DataShard",
+    "Strategy",
+    "data_shard",
+    "eval_view",
+    "model_class",
+    "resolve_strategy",
+]

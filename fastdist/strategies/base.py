@@ -17,6 +17,7 @@ from torch import nn
 
 from fastdist.checkpoint import PER_RANK, REPLICATED
 from fastdist.distributed import broadcast_tensors, get_rank
+from fastdist.strategies.blocks import checkpoint_blocks, find_blocks
 
 
 class Strategy:
@@ -56,13 +57,36 @@ class Strategy:
         device: torch.device,
         group: Any,
         amp: str | None,
+        *,
+        compile: bool = False,
+        checkpointing: int = 0,
+        timeout: float | None = None,
     ) -> torch.optim.Optimizer:
         """Wrap ``model`` (already on ``device``) for training over ``group``; return the
-        optimizer to use (a strategy that replaces the parameters repoints it)."""
+        optimizer to use (a strategy that replaces the parameters repoints it).
+
+        Before wrapping, every ``checkpointing``-th block (:meth:`blocks`) gets activation
+        checkpointing (0: none) and, with ``compile``, the model is compiled in place (the
+        base class and DDP compile it whole). ``timeout``: seconds the process groups a
+        strategy creates may wait (``None``: torch's default)."""
+        self.attach(model, optimizer, device, group)
+        checkpoint_blocks(model, self.blocks(model), checkpointing)
+        if compile:
+            model.compile()
+        return optimizer
+
+    def attach(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, group: Any
+    ) -> None:
+        """Hold the parts :meth:`setup` wraps (the first thing every ``setup`` does)."""
         self.model = self.module = model
         self.optimizer, self.device, self.group = optimizer, device, group
         self.own_groups: list[Any] = []  # process groups this strategy created
-        return optimizer
+
+    def blocks(self, model: nn.Module) -> list[str]:
+        """Names of the model's repeated blocks (what activation checkpointing wraps): the
+        children of its ``nn.ModuleList``s."""
+        return find_blocks(model, None)
 
     @property
     def eval_module(self) -> nn.Module:

@@ -93,8 +93,14 @@ class DDP(Strategy):
         device: torch.device,
         group: Any,
         amp: str | None,
+        *,
+        compile: bool = False,
+        checkpointing: int = 0,
+        timeout: float | None = None,
     ) -> torch.optim.Optimizer:
-        super().setup(model, optimizer, device, group, amp)
+        super().setup(
+            model, optimizer, device, group, amp, compile=compile, checkpointing=checkpointing
+        )
         if not is_distributed():
             return optimizer  # one process: nothing to all-reduce
         options: dict[str, Any] = (

@@ -28,37 +28,29 @@ from fastdist.checks import check_bool, describe
 from fastdist.distributed import get_rank, get_world_size, is_distributed
 from fastdist.logging import logger
 from fastdist.strategies.base import Strategy
+from fastdist.strategies.blocks import checkpoint_blocks, compile_blocks, find_blocks, plain_name
 from fastdist.strategies.sharded_io import ShardedModel, ShardedOptimizer, gather_full, scatter_full
+from fastdist.strategies.tensor_parallel import (
+    DP,
+    Plan,
+    apply_plan,
+    check_plan,
+    check_plan_option,
+    make_mesh,
+    resolve_plan,
+)
 
 _PARAM_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def find_blocks(model: nn.Module, wrap: Sequence[type[nn.Module]] | None) -> list[str]:
-    """Names of the submodules to shard one by one: instances of ``wrap``, or by default the
-    children of every ``nn.ModuleList`` (transformer layers). Outermost matches only."""
-    if wrap:
-        wrap_types = tuple(wrap)
-        names: list[str] = []
-        for name, module in model.named_modules():
-            inside = any(name.startswith(outer + ".") for outer in names)
-            if name and isinstance(module, wrap_types) and not inside:
-                names.append(name)
-        return names
-    return [
-        f"{name}.{child}" if name else child
-        for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList)
-        for child, _ in module.named_children()
-    ]
 
 
 def switch_parameters(
     optimizer: torch.optim.Optimizer, old_names: dict[int, str], model: nn.Module
 ) -> None:
     """Point ``optimizer`` (its class, groups and hyperparameters kept; a learning-rate
-    scheduler built on it stays valid) at the model's new parameters: ``fully_shard``
-    replaces every ``Parameter``, and the optimizer would step the stale ones."""
-    new = dict(model.named_parameters())
+    scheduler built on it stays valid) at the model's new parameters: ``fully_shard`` and
+    ``parallelize_module`` replace every ``Parameter``, and the optimizer would step the stale
+    ones. ``old_names``: the parameters' names before (checkpoint wrappers add none)."""
+    new = {plain_name(name): p for name, p in model.named_parameters()}
     for group in optimizer.param_groups:
         group["params"] = [new[old_names[id(p)]] for p in group["params"]]
 
@@ -84,12 +76,13 @@ def check_wrap(wrap: Any) -> None:
 
 
 class FSDP(Strategy):
-    """Fully sharded data parallelism with torch's ``fully_shard`` (FSDP2).
+    """Fully sharded data parallelism with torch's ``fully_shard`` (FSDP2), optionally with
+    tensor parallelism on a 2-D mesh.
 
     ``strategy="fsdp"`` is ``FSDP()``. The optimizer is pointed at the sharded parameters
     (same class, groups and hyperparameters). Checkpoints are sharded (DCP: every rank writes
-    its shards, and any world size resumes them), also on one process, where the model runs
-    as it is.
+    its shards, and any world size or mesh resumes them), also on one process, where the model
+    runs as it is.
 
     Args:
         wrap: module classes sharded one by one (the repeated blocks); ``None``: the children
@@ -100,12 +93,24 @@ class FSDP(Strategy):
             default for the root).
         cpu_offload: keep the parameter shards, gradients and optimizer state in host memory
             (``CPUOffloadPolicy``); the optimizer steps on the CPU. CUDA only.
+        tp: ranks per tensor-parallel group. With ``tp > 1`` the ranks form a 2-D
+            ``DeviceMesh`` ``dp_shard`` x ``tp`` (torch's ``init_device_mesh``; peers adjacent:
+            rank ``r`` is in tensor-parallel group ``r // tp``): ``parallelize_module`` splits
+            the planned layers over each group, then ``fully_shard`` shards over ``dp_shard``.
+            Peers run the same batches, so the global batch is ``batch_size_per_gpu x
+            (world_size / tp) x update_every``. ``tp=1`` is plain FSDP.
+        tp_plan: ``{module name pattern: "colwise" | "rowwise" | "sequence" | ParallelStyle}``
+            (see :mod:`fastdist.strategies.tensor_parallel`), or a function ``plan(model,
+            tp_mesh)`` that parallelizes the model itself; ``None``: the model's own Hugging
+            Face plan (``config.base_model_tp_plan``).
 
     The trainer's ``amp`` sets the ``MixedPrecisionPolicy``: parameters cast to bf16/fp16 for
     compute, gradients reduced in fp32.
 
     Example:
         >>> DistTrainer(..., strategy=FSDP(wrap=[TransformerBlock]))
+        >>> plan = {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
+        >>> DistTrainer(..., strategy=FSDP(tp=2, tp_plan=plan))  # torchrun --nproc-per-node=4
     """
 
     equal_forwards = True
@@ -116,13 +121,18 @@ class FSDP(Strategy):
         wrap: Sequence[type[nn.Module]] | None = None,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
+        tp: int = 1,
+        tp_plan: Plan | None = None,
     ) -> None:
         check_wrap(wrap)
         check_bool("reshard_after_forward", reshard_after_forward)
         check_bool("cpu_offload", cpu_offload)
+        check_plan_option(tp, tp_plan)
         self.wrap = wrap
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        self.tp = tp
+        self.tp_plan = tp_plan
 
     def check(
         self,
@@ -149,6 +159,21 @@ class FSDP(Strategy):
                 "FSDP(cpu_offload=True) moves sharded state from the GPU to host memory; on a "
                 "CPU device it already lives there: drop cpu_offload"
             )
+        if self.tp > 1:
+            world = get_world_size()
+            if world % self.tp:
+                raise ValueError(
+                    f"FSDP(tp={self.tp}) splits the ranks into tensor-parallel groups of "
+                    f"{self.tp}, but the world has {world} process(es): launch a multiple of "
+                    f"{self.tp} processes, or choose a tp that divides {world}"
+                )
+            plan = resolve_plan(model, self.tp_plan)
+            if not callable(plan):
+                check_plan(model, plan, self.tp)
+
+    def blocks(self, model: nn.Module) -> list[str]:
+        """The blocks sharded one by one: ``wrap``'s classes, or the ModuleLists' children."""
+        return find_blocks(model, self.wrap)
 
     def setup(
         self,
@@ -157,15 +182,26 @@ class FSDP(Strategy):
         device: torch.device,
         group: Any,
         amp: str | None,
+        *,
+        compile: bool = False,
+        checkpointing: int = 0,
+        timeout: float | None = None,
     ) -> torch.optim.Optimizer:
-        super().setup(model, optimizer, device, group, amp)
+        """Tensor parallelism (``tp > 1``), activation checkpointing, each block compiled,
+        then ``fully_shard`` per block and on the root: torchtitan's order."""
+        self.attach(model, optimizer, device, group)
+        blocks = self.blocks(model)
         if not is_distributed():
             logger.info("strategy FSDP on one process: the plain model, nothing to shard")
+            checkpoint_blocks(model, blocks, checkpointing)
+            if compile:
+                compile_blocks(model, blocks)
             return optimizer
         old_names = {id(p): name for name, p in model.named_parameters()}
-        group = group or dist.group.WORLD
-        assert group is not None  # several processes: the default group exists
-        mesh = DeviceMesh.from_group(group, device.type)
+        mesh = self._tensor_parallel(model, device, group, timeout)
+        checkpoint_blocks(model, blocks, checkpointing)
+        if compile:
+            compile_blocks(model, blocks)
         options: dict[str, Any] = {
             "mesh": mesh,
             "reshard_after_forward": self.reshard_after_forward,
@@ -174,7 +210,6 @@ class FSDP(Strategy):
             ),
             "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
         }
-        blocks = find_blocks(model, self.wrap)
         for name in blocks:
             fully_shard(model.get_submodule(name), **options)
         # Resharding the root after forward would gather its parameters again at once in
@@ -190,6 +225,27 @@ class FSDP(Strategy):
         )
         switch_parameters(optimizer, old_names, model)
         return optimizer
+
+    def _tensor_parallel(
+        self, model: nn.Module, device: torch.device, group: Any, timeout: float | None
+    ) -> DeviceMesh:
+        """Apply the plan on the ``tp`` dimension of a 2-D mesh (``tp > 1``); return the mesh
+        FSDP shards over: its ``dp_shard`` dimension, or the trainer's group."""
+        if self.tp == 1:
+            group = group or dist.group.WORLD
+            assert group is not None  # several processes: the default group exists
+            return DeviceMesh.from_group(group, device.type)
+        dp = get_world_size() // self.tp
+        mesh = make_mesh(device.type, dp, self.tp, timeout)  # kept for the process
+        plan = resolve_plan(model, self.tp_plan)
+        apply_plan(model, plan, mesh)
+        logger.info(
+            "tensor parallel: %s split over tp=%d ranks, FSDP over dp_shard=%d",
+            "a plan function's modules" if callable(plan) else f"{len(plan)} module(s)",
+            self.tp,
+            dp,
+        )
+        return mesh[DP]
 
     def replicas(self, step: int) -> list[tuple[str, torch.Tensor]]:
         """None when sharded: each parameter has one copy, split over the ranks."""

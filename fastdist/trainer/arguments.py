@@ -96,6 +96,12 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
     check_format("best_model_format", options.best_model_format, model)
     device = resolve_device(options.device)
     options.strategy.check(model, optimizer, device, options.amp)
+    if options.checkpointing and not options.strategy.blocks(model):
+        raise ValueError(
+            f"activation_checkpointing={options.activation_checkpointing!r} checkpoints the "
+            f"model's blocks, but {type(model).__name__} has none: hold its repeated layers in "
+            "an nn.ModuleList, or name their class in FSDP(wrap=[...])"
+        )
     for name in ("save_path", "checkpoint_dir"):
         if getattr(options, name) is not None:
             check_writable_dir(name, getattr(options, name))

@@ -9,7 +9,7 @@ import datetime
 import os
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ from fastdist.evaluation.evaluator import Evaluator
 from fastdist.evaluation.validator import Validator
 from fastdist.logging import logger
 from fastdist.state import TrainerState
-from fastdist.strategies import Strategy
+from fastdist.strategies import DataShard, Strategy, data_shard
 from fastdist.trainer.arguments import Arguments, check_all
 from fastdist.trainer.failure import install_excepthook
 from fastdist.trainer.loss_tracker import LossTracker
@@ -62,6 +62,7 @@ class World:
     size: int
     group: Any  # the trainer's process group (None: the default one)
     board: PositionBoard  # where every rank is, for failure reports
+    data: DataShard  # the shard of the data this rank trains and evaluates on
 
 
 @dataclass
@@ -100,10 +101,18 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
     model = args.model.to(device)
     forward = make_forward(model)  # from the signature, before compiling
     evaluate = make_forward(model, evaluation=True)  # the model's predict() if it has one
-    if options.compile:
-        model.compile()
-    strategy = options.strategy
-    optimizer = strategy.setup(model, args.optimizer, device, world.group, options.amp)
+    strategy = options.strategy  # checkpoints blocks and compiles, each strategy its way
+    optimizer = strategy.setup(
+        model,
+        args.optimizer,
+        device,
+        world.group,
+        options.amp,
+        compile=options.compile,
+        checkpointing=options.checkpointing,
+        timeout=options.timeout,
+    )
+    world = replace(world, data=data_shard(model))  # tensor-parallel peers share a shard
     timer = RankTimer(device, world.rank, world.size)
     stream_group = new_gloo_group(options.timeout) if args.stream else None
     data = _batches(args, world, timer, stream_group)
@@ -161,7 +170,7 @@ def _form_world(options: TrainerOptions, device: torch.device) -> World:
     group = None  # a group of our own bounds every wait of the trainer by the timeout
     if is_distributed() and options.timeout is not None:
         group = dist.new_group(timeout=datetime.timedelta(seconds=options.timeout))
-    return World(device, rank, size, group, PositionBoard(rank, size))
+    return World(device, rank, size, group, PositionBoard(rank, size), DataShard(rank, size))
 
 
 def _batches(args: Arguments, world: World, timer: RankTimer, stream_group: Any) -> Batches:
@@ -187,8 +196,8 @@ def _batches(args: Arguments, world: World, timer: RankTimer, stream_group: Any)
             args.train_data,
             options.batch_size_per_gpu,
             options.drop_last,
-            world.rank,
-            world.size,
+            world.data.rank,
+            world.data.size,
             options.update_every,
             stream_group,
             timer.collective_in_next,
@@ -201,8 +210,8 @@ def _batches(args: Arguments, world: World, timer: RankTimer, stream_group: Any)
         args.batch_sampler,
         options.drop_last,
         options.seed,
-        world.rank,
-        world.size,
+        world.data.rank,
+        world.data.size,
         options.update_every,
         **loader_options,
     )

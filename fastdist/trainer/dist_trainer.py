@@ -36,7 +36,8 @@ class DistTrainer:
         callbacks_all: callbacks run on every rank (learning rate, clipping, early stop).
         callbacks_master: callbacks run on rank 0 only (logging, saving); no collectives.
         batch_size_per_gpu: micro-batch size of each process; the global batch of one update
-            is ``batch_size_per_gpu * world_size * update_every``.
+            is ``batch_size_per_gpu * world_size * update_every`` (under tensor parallelism
+            peers run the same batches: ``world_size / tp`` for ``world_size``).
         n_epochs: passes over ``train_data``.
         num_workers: DataLoader worker processes per rank.
         drop_last: drop the last incomplete batch of every epoch instead of a short one.
@@ -93,13 +94,20 @@ class DistTrainer:
         multiprocessing_context: how DataLoader workers start: ``None`` (torch's default, a
             fork on Linux), ``"fork"``, ``"forkserver"`` or ``"spawn"``; before Python 3.11.10
             a forked worker can hang (see :mod:`fastdist.data.workers`).
-        compile: ``torch.compile`` the model (in place) before wrapping it.
+        compile: ``torch.compile`` the model (in place) before wrapping it: under DDP the
+            whole model, under FSDP each block on its own before sharding (regional
+            compilation: small graphs, compiled once for blocks of the same code).
+        activation_checkpointing: recompute the activations of blocks in backward instead of
+            keeping them (torch's ``checkpoint_wrapper``): ``True`` every block, ``"every-2"``
+            every second one, ... (the blocks: FSDP's ``wrap`` classes, else the children of
+            the model's ``nn.ModuleList``s); less memory, about one more forward of compute.
         strategy: how the model is spread over the ranks, with its own options:
             ``"ddp"`` = :class:`~fastdist.strategies.DDP` ``()`` (every rank holds the whole
             model; bucket size, communication hooks, local SGD), ``"fsdp"`` =
             :class:`~fastdist.strategies.FSDP` ``()`` (torch's ``fully_shard``: parameters,
-            gradients and optimizer state sharded; which blocks, resharding, CPU offload), or
-            such an object, e.g. ``DDP(comm_hook="powersgd")``.
+            gradients and optimizer state sharded; which blocks, resharding, CPU offload,
+            tensor parallelism on a 2-D mesh: ``FSDP(tp=2, tp_plan=...)``), or such an
+            object, e.g. ``DDP(comm_hook="powersgd")``.
         slow_rank_threshold: rank 0 warns when a rank's time per update (data loading +
             compute, see :mod:`fastdist.trainer.timing`) exceeds the median over ranks by more
             than this fraction; 0 turns the warning off (the per-rank figures are still
@@ -164,6 +172,7 @@ class DistTrainer:
         prefetch_factor: int | None = None,
         multiprocessing_context: str | None = None,
         compile: bool = False,
+        activation_checkpointing: bool | str = False,
         strategy: str | Strategy = "ddp",
         slow_rank_threshold: float = 0.1,
         **unknown: Any,
@@ -174,7 +183,7 @@ class DistTrainer:
         self.model, self.optimizer, self.precision = run.model, run.optimizer, run.precision
         self.device, self.rank, self.world_size = run.world.device, run.world.rank, run.world.size
         self.is_master = self.rank == 0
-        self.global_batch = run.options.global_batch(self.world_size)
+        self.global_batch = run.options.global_batch(run.world.data.size)
         self.callbacks_all = run.callbacks.callbacks_all
         self.callbacks_master = run.callbacks.callbacks_master  # run on rank 0 only
         self.data = run.data  # this rank's batches (their loader: self.data.loader)

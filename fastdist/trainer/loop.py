@@ -265,7 +265,7 @@ class Loop:
     def _begin(self, resumed: Resumed | None) -> None:
         """Continue from a restored checkpoint, count the updates left, log the plan."""
         state, options, world = self.state, self.options, self.world
-        global_batch = options.global_batch(world.size)
+        global_batch = options.global_batch(world.data.size)
         mid_epoch = not state.epoch_complete and (state.samples_in_epoch or state.batches_in_epoch)
         if resumed is not None and mid_epoch:
             position = self.data.resume_at(state.samples_in_epoch, state.batches_in_epoch)
@@ -292,13 +292,16 @@ class Loop:
                     global_batch,
                 )
         logger.info(
-            "training on %d process(es), %s; global batch %d = %d per process x %d x "
+            "training on %d process(es), %s; global batch %d = %d per process x %d%s x "
             "update_every %d; %s updates",
             world.size,
             world.device,
             global_batch,
             options.batch_size_per_gpu,
-            world.size,
+            world.data.size,
+            ""
+            if world.data.size == world.size
+            else " data shards (tensor-parallel peers share one)",
             options.update_every,
             "unknown (a stream)" if left is None else state.total_steps,
         )

@@ -27,6 +27,7 @@ from fastdist.checks import (
 )
 from fastdist.data.workers import CONTEXTS
 from fastdist.strategies import Strategy, resolve_strategy
+from fastdist.strategies.blocks import checkpoint_period
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class TrainerOptions:
     amp: str | None
     fp16: bool
     compile: bool
+    activation_checkpointing: bool | str
     timeout: float | None
     on_nonfinite: str
     check_sync_every: int
@@ -102,6 +104,7 @@ class TrainerOptions:
         for name in ("drop_last", "persistent_workers", "load_best_model", "use_tqdm", "fp16"):
             check_bool(name, getattr(self, name))
         check_bool("compile", self.compile)
+        checkpoint_period(self.activation_checkpointing)
         if self.pin_memory is not None:
             check_bool("pin_memory", self.pin_memory)
         if self.timeout is not None:
@@ -138,13 +141,19 @@ class TrainerOptions:
                 )
 
     @property
+    def checkpointing(self) -> int:
+        """``activation_checkpointing`` as a period: every N-th block (0: none)."""
+        return checkpoint_period(self.activation_checkpointing)
+
+    @property
     def eval_batch_size(self) -> int:
         return self.dev_batch_size_per_gpu or self.batch_size_per_gpu
 
-    def global_batch(self, world_size: int) -> int:
+    def global_batch(self, data_shards: int) -> int:
         """Samples per optimizer update over all ranks (the nominal figure: a short last
-        batch or token batches make some updates smaller)."""
-        return self.batch_size_per_gpu * world_size * self.update_every
+        batch or token batches make some updates smaller); ``data_shards``: the world size,
+        over tensor-parallel peers (who run the same batches)."""
+        return self.batch_size_per_gpu * data_shards * self.update_every
 
     def as_dict(self) -> dict[str, Any]:
         """Every option as a number, string, bool or ``None`` (for logs and hyper-parameter

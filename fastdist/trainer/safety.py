@@ -8,12 +8,14 @@ from typing import Any
 import torch
 
 from fastdist.distributed import all_gather_object
+from fastdist.distributed.norms import global_norm
 
 
 def all_finite(tensors: Iterable[torch.Tensor | None]) -> bool:
-    """Whether every value of ``tensors`` (``None`` entries skipped) is finite; one host read."""
+    """Whether every value of ``tensors`` (``None`` entries skipped; DTensors judged over their
+    whole mesh, alike on every rank) is finite; one host read."""
     present = [t for t in tensors if t is not None]
-    return not present or bool(torch.isfinite(torch.nn.utils.get_total_norm(present)).item())
+    return not present or bool(torch.isfinite(global_norm(present)).item())
 
 
 def failing_ranks(failure: Any, group: Any) -> dict[int, Any]:

@@ -1,0 +1,95 @@
+"""``python -m fastdist estimate SETUP``: the memory each rank needs, before launching.
+
+``SETUP`` is ``module:function`` or ``path/to/file.py:function``; the function takes no
+arguments and returns a dict with ``model``, ``optimizer`` and ``batch`` (one micro-batch of
+``batch_size_per_gpu`` samples), optionally ``loss`` and ``tp_plan``. One column per strategy
+(DDP, FSDP, and FSDP with ``--tp``): parameters, gradients, optimizer state, activations and
+FSDP's buffers per rank, the peak, and with ``--memory`` the largest ``batch_size_per_gpu``
+that fits. See :func:`fastdist.estimate.estimate_memory`.
+
+Example:
+    >>> main(["estimate", "setup.py:make", "--world-size", "8", "--tp", "2", "--memory", "80GB"])
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from fastdist.estimate import estimate_memory, parse_bytes, table
+from fastdist.strategies import DDP, FSDP, Strategy
+
+
+def add_parser(commands: Any) -> None:
+    """Register the ``estimate`` command on the ``python -m fastdist`` sub-parsers."""
+    parser = commands.add_parser(
+        "estimate",
+        help="estimate per-rank memory under DDP, FSDP and FSDP with tensor parallelism",
+        description=__doc__.split("\n\nExample")[0] if __doc__ else None,
+    )
+    parser.add_argument("setup", metavar="SETUP", help="module:function or file.py:function")
+    parser.add_argument("--world-size", type=int, default=1, help="processes (default: 1)")
+    parser.add_argument("--tp", type=int, default=1, help="add FSDP(tp=TP) (default: 1: none)")
+    parser.add_argument("--update-every", type=int, default=1, help="as DistTrainer's")
+    parser.add_argument(
+        "--activation-checkpointing", default="false", help="true, false or every-N"
+    )
+    parser.add_argument("--amp", choices=("bf16", "fp16"), default=None, help="as DistTrainer's")
+    parser.add_argument("--memory", default=None, help="memory per device, e.g. 80GB or 24GiB")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the table; return 0, or 1 with a message on stderr."""
+    try:
+        setup = load_setup(args.setup)
+        budget = None if args.memory is None else parse_bytes(args.memory)
+        checkpointing = {"true": True, "false": False}.get(args.activation_checkpointing.lower())
+        strategies: list[Strategy] = [DDP(), FSDP()]
+        if args.tp > 1:
+            strategies.append(FSDP(tp=args.tp, tp_plan=setup.get("tp_plan")))
+        estimates = [
+            estimate_memory(
+                setup["model"],
+                setup["optimizer"],
+                setup["batch"],
+                strategy,
+                args.world_size,
+                loss=setup.get("loss"),
+                update_every=args.update_every,
+                activation_checkpointing=(
+                    args.activation_checkpointing if checkpointing is None else checkpointing
+                ),
+                amp=args.amp,
+            )
+            for strategy in strategies
+        ]
+    except (ValueError, TypeError, KeyError, ImportError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(table(estimates, budget))
+    return 0
+
+
+def load_setup(spec: str) -> dict[str, Any]:
+    """Call ``module:function`` (or ``file.py:function``) and check the dict it returns."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"SETUP must be module:function or file.py:function, got {spec!r}")
+    if where.endswith(".py"):
+        location = importlib.util.spec_from_file_location(Path(where).stem, where)
+        if location is None or location.loader is None:
+            raise ImportError(f"cannot load {where}")
+        module = importlib.util.module_from_spec(location)
+        location.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    setup = getattr(module, name)()
+    missing = [k for k in ("model", "optimizer", "batch") if k not in setup]
+    if missing:
+        raise KeyError(f"{spec} returned no {', '.join(missing)}: return a dict with them")
+    return dict(setup)

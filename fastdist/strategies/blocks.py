@@ -1,0 +1,84 @@
+"""A model's repeated blocks, and what is done to them before the model is wrapped:
+activation checkpointing of every n-th block and compiling each block on its own.
+
+Both are trainer options (``DistTrainer(activation_checkpointing=..., compile=...)``) that
+every strategy realises at the moment its wrapping allows: DDP before wrapping, FSDP after
+tensor parallelism and before sharding (torchtitan's order: TP, checkpointing, compile, FSDP).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_PREFIX,
+    checkpoint_wrapper,
+)
+
+from fastdist.checks import describe
+
+#: What ``activation_checkpointing`` accepts, for error messages.
+CHECKPOINTING_FORMS = "True (every block), False, or 'every-N' (every N-th block, e.g. 'every-2')"
+
+
+def find_blocks(model: nn.Module, wrap: Sequence[type[nn.Module]] | None) -> list[str]:
+    """Names of the model's repeated blocks: instances of ``wrap``, or by default the
+    children of every ``nn.ModuleList`` (transformer layers). Outermost matches only."""
+    if wrap:
+        wrap_types = tuple(wrap)
+        names: list[str] = []
+        for name, module in model.named_modules():
+            inside = any(name.startswith(outer + ".") for outer in names)
+            if name and isinstance(module, wrap_types) and not inside:
+                names.append(name)
+        return names
+    return [
+        f"{name}.{child}" if name else child
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList)
+        for child, _ in module.named_children()
+    ]
+
+
+def checkpoint_period(value: object) -> int:
+    """``activation_checkpointing`` as the period of checkpointed blocks (0: off, 1: every
+    block, N: the first of every N blocks)."""
+    if value is True or value is False:
+        return int(value)
+    match = re.fullmatch(r"every-([1-9][0-9]*)", value) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError(
+            f"activation_checkpointing must be {CHECKPOINTING_FORMS}; got {describe(value)}"
+        )
+    return int(match.group(1))
+
+
+def checkpoint_blocks(model: nn.Module, blocks: Sequence[str], period: int) -> list[str]:
+    """Wrap blocks ``0, period, 2 * period, ...`` of ``blocks`` in torch's
+    ``checkpoint_wrapper`` (non-reentrant ``torch.utils.checkpoint``: the block's activations
+    are recomputed in backward instead of kept); return their names. The wrapper takes the
+    block's place, so its name and its state-dict keys stay the same."""
+    if not period:
+        return []
+    chosen = list(blocks)[::period]
+    for name in chosen:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        owner.register_module(child, checkpoint_wrapper(owner.get_submodule(child)))
+    return chosen
+
+
+def compile_blocks(model: nn.Module, blocks: Sequence[str]) -> None:
+    """``torch.compile`` each block in place (regional compilation: one small graph reused by
+    every block of the same code, compiled once); the whole model when it has no blocks."""
+    for name in blocks:
+        model.get_submodule(name).compile()
+    if not blocks:
+        model.compile()
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name without the checkpoint wrapper's part (as state dicts write it)."""
+    return name.replace(_CHECKPOINT_PREFIX, "")

@@ -1,0 +1,79 @@
+"""fastdist.estimate_memory and ``python -m fastdist estimate`` in this process (one forward on
+the CPU, the optimizer stepped on the meta device); the estimates are held to measured peaks
+in tests/test_tensor_parallel.py's worlds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from workers.estimate_worker import setup
+
+from fastdist import estimate_memory
+from fastdist.cli import main
+from fastdist.estimate import parse_bytes
+from fastdist.strategies import FSDP
+
+SETUP = f"{Path(__file__).resolve().parent / 'workers' / 'estimate_worker.py'}:setup"
+
+
+def test_sharding_divides_the_states() -> None:
+    given = setup()
+    parts = (given["model"], given["optimizer"], given["batch"])
+    ddp = estimate_memory(*parts, "ddp", 4, loss=given["loss"])
+    fsdp = estimate_memory(*parts, "fsdp", 4, loss=given["loss"])
+    mesh = estimate_memory(*parts, FSDP(tp=2, tp_plan=given["tp_plan"]), 4, loss=given["loss"])
+    params = sum(p.numel() * 4 for p in given["model"].parameters())
+    assert ddp.parameters == params
+    assert ddp.optimizer == pytest.approx(2 * params, rel=1e-4)  # AdamW: two moments, steps
+    assert fsdp.parameters == pytest.approx(params / 4, rel=0.01)
+    assert mesh.parameters == pytest.approx(params / 4, rel=0.01)
+    assert mesh.activations < fsdp.activations  # the split layers' outputs are halved
+    assert mesh.peak < fsdp.peak < ddp.peak
+    assert next(given["model"].parameters()).device.type == "cpu"  # the model is left as it was
+    assert not given["optimizer"].state  # the real optimizer never stepped
+
+
+def test_checkpointing_lowers_the_activations() -> None:
+    given = setup()
+    parts = (given["model"], given["optimizer"], given["batch"])
+    plain = estimate_memory(*parts, "ddp", 2, loss=given["loss"])
+    every = estimate_memory(*parts, "ddp", 2, loss=given["loss"], activation_checkpointing=True)
+    assert every.activations < plain.activations
+
+
+def test_command_prints_the_table_and_the_largest_batch(capsys: pytest.CaptureFixture) -> None:
+    args = ["estimate", SETUP, "--world-size", "4", "--tp", "2", "--update-every", "2"]
+    assert main([*args, "--memory", "1GB"]) == 0
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert lines[0] == "world size 4, batch_size_per_gpu 64, update_every 2"
+    assert lines[1].split() == ["per", "rank", "DDP()", "FSDP()", "FSDP(tp=2)"]
+    for label in ("parameters", "gradients", "optimizer state", "activations", "peak"):
+        assert any(line.startswith(label) for line in lines), printed
+    fits = [int(n) for n in lines[-1].split()[-3:]]
+    assert lines[-1].startswith("max batch in 1 GB")
+    given = setup()
+    parts = (given["model"], given["optimizer"], given["batch"])
+    budget = parse_bytes("1GB")
+    for strategy, batch in zip(("ddp", "fsdp"), fits, strict=False):
+        found = estimate_memory(*parts, strategy, 4, loss=given["loss"], update_every=2)
+        assert found.peak_at(batch) <= budget < found.peak_at(batch + 1)
+    assert fits[0] < fits[1] < fits[2]
+
+
+def test_command_reports_bad_input(capsys: pytest.CaptureFixture) -> None:
+    assert main(["estimate", SETUP, "--memory", "lots"]) == 1
+    assert "memory must be a size such as 80GB" in capsys.readouterr().err
+    assert main(["estimate", "no_colon"]) == 1
+    assert "module:function" in capsys.readouterr().err
+    assert main(["estimate", SETUP, "--world-size", "3", "--tp", "2"]) == 1
+    assert "not a multiple of tp=2" in capsys.readouterr().err
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("24GiB") == 24 * 2**30
+    assert parse_bytes("1024") == 1024
+    with pytest.raises(ValueError, match="80GB"):
+        parse_bytes("eighty")
