@@ -2,14 +2,16 @@
 
 Run on demand from the repository root, under torchrun (or as one process)::
 
-    torchrun --nproc-per-node=2 benchmarks/stream.py [--workload tiny] [--rounds 3]
+    torchrun --nproc-per-node=2 benchmarks/stream.py [--workload tiny] [--rounds 5]
 
-Each round trains the workload (``benchmarks/workloads.py``) twice with ``DistTrainer``, one
-after the other in the same job (the order flips every round): from its ``TensorDataset`` (the
-default sampler) and from the same samples as an ``IterableDataset`` (sharded by rank: every
-rank reads the whole stream and keeps its part; one agreement all-reduce per
-``AGREED_MICRO_BATCHES`` micro-batches). Prints ms per update after the warm-up for both, their
-ratio per round, the median with min..max, and the agreement all-reduce timed alone.
+Each round trains the workload (``benchmarks/workloads.py``) three times with ``DistTrainer``,
+one after the other in the same job (the order reverses every round), on the same samples:
+from its ``TensorDataset`` (the default sampler); as an ``IterableDataset`` that every rank
+reads whole, keeping its part (``StreamShard``: each rank pays ``world_size`` passes of
+reading); and as one that reads only its own part, wrapped in ``ShardedStream`` (as streaming
+libraries split by rank). Both streams agree on batch sizes once per ``AGREED_MICRO_BATCHES``
+micro-batches. Prints ms per update after the warm-up, the ratios to map-style per round,
+their medians with min..max, and the agreement all-reduce timed alone.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 from worker import Timing, make_sync  # noqa: E402
 from workloads import WORKLOADS, Workload, build_data, build_model, build_optimizer, plan  # noqa: E402
 
-from fastdist import Callback, DistTrainer, get_world_size, is_master, logger  # noqa: E402
+from fastdist import Callback, DistTrainer, get_rank, get_world_size, is_master, logger  # noqa: E402
+from fastdist.data import ShardedStream  # noqa: E402
 from fastdist.data.stream import AGREED_MICRO_BATCHES  # noqa: E402
 from fastdist.distributed import all_reduce_sum  # noqa: E402
 
@@ -42,6 +45,17 @@ class Stream(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         return (self.data[i] for i in range(len(self.data)))  # type: ignore[arg-type]
+
+
+class OwnPart(IterableDataset):
+    """Samples ``rank, rank + world, ...`` of a map-style dataset: a stream that reads only its
+    own part."""
+
+    def __init__(self, data: Dataset, rank: int, world: int) -> None:
+        self.data, self.rank, self.world = data, rank, world
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self.data[i] for i in range(self.rank, len(self.data), self.world))  # type: ignore[arg-type]
 
 
 def train(wl: Workload, data: Any, epochs: int) -> float:
@@ -95,25 +109,30 @@ def main() -> None:
     epochs, per_epoch, size = plan(wl, get_world_size())
     data = build_data(wl, size)
     logger.setLevel("WARNING")  # the trainers' own lines would bury the table
-    ratios = []
+    sources = {
+        "map": lambda: data,
+        "stream": lambda: Stream(data),
+        "own part": lambda: ShardedStream(OwnPart(data, get_rank(), get_world_size())),
+    }
+    ratios: dict[str, list[float]] = {"stream": [], "own part": []}
     for round_ in range(args.rounds):
-        if round_ % 2:
-            stream_ms, map_ms = train(wl, Stream(data), epochs), train(wl, data, epochs)
-        else:
-            map_ms, stream_ms = train(wl, data, epochs), train(wl, Stream(data), epochs)
-        ratios.append(stream_ms / map_ms)
+        names = list(sources)[:: -1 if round_ % 2 else 1]
+        ms = {name: train(wl, sources[name](), epochs) for name in names}
+        for name, values in ratios.items():
+            values.append(ms[name] / ms["map"])
         if is_master():
-            print(
-                f"round {round_}: map {map_ms:.3f} ms/update, stream {stream_ms:.3f} ms/update, "
-                f"stream/map {ratios[-1]:.3f}",
-                flush=True,
-            )
+            line = ", ".join(f"{name} {ms[name]:.3f}" for name in sources)
+            shares = ", ".join(f"{name}/map {values[-1]:.3f}" for name, values in ratios.items())
+            print(f"round {round_}: ms/update {line}; {shares}", flush=True)
     agreement = agreement_us()
     if is_master():
         print(
-            f"{args.workload} on {get_world_size()} process(es), {epochs} x {per_epoch} updates: "
-            f"median stream/map {statistics.median(ratios):.3f} ({min(ratios):.3f}.."
-            f"{max(ratios):.3f}); agreement all-reduce alone {agreement:.0f} us"
+            f"{args.workload} on {get_world_size()} process(es), {epochs} x {per_epoch} updates; "
+            + "; ".join(
+                f"median {name}/map {statistics.median(v):.3f} ({min(v):.3f}..{max(v):.3f})"
+                for name, v in ratios.items()
+            )
+            + f"; agreement all-reduce alone {agreement:.0f} us"
         )
 
 
