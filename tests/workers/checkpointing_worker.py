@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from workers.estimate_worker import held
+from workers.estimate_worker import held, status_bytes
 from workers.trainer_worker import CLASSES, DIM, ToyData, write_json
 
 from fastdist import CrossEntropyLoss, DistTrainer, estimate_memory
@@ -56,14 +56,6 @@ class Deep(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.out(h)
-
-
-def status_bytes(field: str) -> int:
-    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def run(strategy: str, checkpointing: bool | str) -> dict[str, Any]:
