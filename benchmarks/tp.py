@@ -32,7 +32,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import child_env, run_job  # noqa: E402
-from fastdist import Callback, DistTrainer, get_rank  # noqa: E402
+from benchmarks.fsdp import StepClock  # noqa: E402
+from fastdist import DistTrainer, get_rank  # noqa: E402
 from fastdist.strategies import FSDP  # noqa: E402
 
 WIDTH, BLOCKS, DIM, CLASSES, BATCH, DP, TP = 512, 8, 64, 10, 32, 2, 2
@@ -69,18 +70,6 @@ def data(steps: int) -> TensorDataset:
     n = (steps + 1) * BATCH * DP  # +1: the first step is not timed
     gen = torch.Generator().manual_seed(0)
     return TensorDataset(torch.randn(n, DIM, generator=gen), torch.randint(CLASSES, (n,)))
-
-
-class StepClock(Callback):
-    """Wall time from the end of the first update to the end of the last."""
-
-    def __init__(self) -> None:
-        self.start = self.end = 0.0
-
-    def on_step_end(self) -> None:
-        self.end = time.perf_counter()
-        if self.trainer.state.global_step == 1:
-            self.start = self.end
 
 
 def run_trainer(steps: int) -> float:
