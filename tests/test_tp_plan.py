@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from workers import tp_worker
 from workers.fsdp_worker import BlockNet
 
 from fastdist.strategies import FSDP
@@ -13,16 +14,8 @@ from fastdist.strategies.tensor_parallel import check_plan, resolve_plan
 
 
 def tiny_llama() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-    )
-    return transformers.LlamaForCausalLM(config)
+    pytest.importorskip("transformers")
+    return tp_worker.tiny_llama()
 
 
 def test_patterns_match_every_block() -> None:

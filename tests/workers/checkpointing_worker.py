@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from workers.estimate_worker import held, status_bytes
+from workers.estimate_worker import held, training_peak
 from workers.trainer_worker import CLASSES, DIM, ToyData, write_json
 
 from fastdist import CrossEntropyLoss, DistTrainer, estimate_memory
@@ -88,10 +88,7 @@ def run(strategy: str, checkpointing: bool | str) -> dict[str, Any]:
         strategy=strategy,
         activation_checkpointing=checkpointing,
     )
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = status_bytes("VmRSS")
-    trainer.train()
-    peak = status_bytes("VmHWM") - before
+    peak = training_peak(trainer)
     full = trainer.strategy.full_state_dict()
     params = None
     if full is not None:

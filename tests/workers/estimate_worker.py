@@ -59,6 +59,14 @@ def status_bytes(field: str) -> int:
     raise KeyError(field)
 
 
+def training_peak(trainer: DistTrainer) -> int:
+    """How far the resident memory's high-water mark rises over ``trainer.train()``."""
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = status_bytes("VmRSS")
+    trainer.train()
+    return status_bytes("VmHWM") - before
+
+
 def held(model: nn.Module) -> int:
     """Bytes of the parameters this rank holds (DTensors: its shard)."""
     local = (p.to_local() if isinstance(p, DTensor) else p for p in model.parameters())
@@ -90,10 +98,7 @@ def compare(strategy: Any, world_size: int, data_shards: int) -> dict[str, Any]:
         device="cpu",
         strategy=strategy,
     )
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = status_bytes("VmRSS")
-    trainer.train()
-    measured = held(trainer.model) + status_bytes("VmHWM") - before
+    measured = held(trainer.model) + training_peak(trainer)
     return {"estimate": dataclasses.asdict(estimate), "peak": estimate.peak, "measured": measured}
 
 

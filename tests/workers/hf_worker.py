@@ -127,8 +127,9 @@ def train_hf(strategy: str, pretrained: Path, out: Path) -> dict[str, Any]:
     }
 
 
-def logged_loss(out: Path) -> dict[str, float]:
-    """Logged losses of 2 ranks x batch 3 on 23 samples (updates of 6, 6, 6, 5 samples)."""
+def logged_loss(update_every: int = 1) -> dict[int, float]:
+    """Logged losses (by step) of batches of 3 on 23 samples: on 2 ranks, updates of 6, 6, 6,
+    5 samples; on 1 process with ``update_every=2`` the same updates."""
     log = LoggedLoss()
     model = ToyNet()
     trainer = DistTrainer(
@@ -138,13 +139,14 @@ def logged_loss(out: Path) -> dict[str, float]:
         loss=CrossEntropyLoss(),
         callbacks_master=[log],
         batch_size_per_gpu=3,
+        update_every=update_every,
         n_epochs=3,
         print_every=3,
         use_tqdm=False,
         device="cpu",
     )
     trainer.train(resume=False)
-    return {str(step): loss for step, loss in log.losses.items()}
+    return log.losses
 
 
 class Scorer(nn.Module):
@@ -200,7 +202,7 @@ def main(out: Path) -> None:
             torch.manual_seed(0)
             GPT2LMHeadModel(tiny_config()).save_pretrained(pretrained)
     results: dict[str, Any] = {s: train_hf(s, pretrained, out / s) for s in ("ddp", "fsdp")}
-    results["logged_loss"] = logged_loss(out)
+    results["logged_loss"] = {str(step): loss for step, loss in logged_loss().items()}
     results["predict"] = evaluate_with_predict()
     write_json(out, results)
 

@@ -18,9 +18,7 @@ dev loss of the final model, the WARNING and ERROR lines of the attempt that fin
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import os
 import signal
 import sys
@@ -32,12 +30,12 @@ import torch
 from pairwise import pairwise
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, Sampler
+from workers.trainer_worker import warnings_logged
 
 from fastdist import DDP, FSDP, CrossEntropyLoss, DistTrainer, LossMetric, Metric
 from fastdist.callbacks import Callback, EarlyStopCallback
 from fastdist.data import TokenBatchSampler
 from fastdist.distributed import get_rank, get_world_size
-from fastdist.logging import logger
 
 N, DEV, BATCH, EPOCHS, VOCAB = 61, 12, 2, 3, 20
 # The updates at which each interruption strikes (rank 1 dies before the micro-batch that
@@ -292,19 +290,6 @@ def _strategy(case: dict[str, Any]) -> Any:
     return FSDP() if case["strategy"] == "fsdp" else DDP()
 
 
-@contextlib.contextmanager
-def logged() -> Iterator[list[str]]:
-    """The WARNING and ERROR lines fastdist logs while the block runs."""
-    lines: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logger.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-
-
 def run(name: str, case: dict[str, Any], out: Path, world: str, update_every: int) -> None:
     """Train one run to its end (or its stop) and write this rank's result."""
     folder = out / name
@@ -313,7 +298,7 @@ def run(name: str, case: dict[str, Any], out: Path, world: str, update_every: in
     if result_path.exists():  # finished before a restart of this world
         return
     trainer = build(case, folder, world, update_every)
-    with logged() as lines:
+    with warnings_logged() as lines:
         result = trainer.train()
         dev_loss = trainer.evaluate()["loss"]  # the final model: the best, loaded
     full = trainer.strategy.full_state_dict()

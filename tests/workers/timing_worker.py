@@ -12,21 +12,17 @@ all-reduces. Case ``profile``: ``ProfilerCallback`` in ``callbacks_all`` writes 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from torch.utils.data import default_collate
-from trainer_worker import BATCH, CommCounter, make_trainer
+from trainer_worker import BATCH, CommCounter, make_trainer, warnings_logged
 
 from fastdist.callbacks import ProfilerCallback
 from fastdist.distributed import get_rank, get_world_size
-from fastdist.logging import logger
 
 SLEEP_S = 0.03
 UPDATES, PRINT_EVERY = 12, 2
@@ -81,19 +77,6 @@ def case_healthy() -> list[str]:
     with warnings_logged() as lines:
         trainer.train()
     return lines
-
-
-@contextlib.contextmanager
-def warnings_logged() -> Iterator[list[str]]:
-    """The WARNING lines of fastdist's logger while the block runs."""
-    lines: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logger.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
 
 
 def case_profile(out: Path) -> dict[str, Any]:

@@ -114,13 +114,10 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def hugging_face(strategy: Any, batch: int) -> list[float] | None:
-    """Train a tiny Llama (its own loss; under tp its own config.base_model_tp_plan); its
-    final parameters on rank 0, in state-dict order (``None``: no transformers here)."""
-    try:
-        import transformers
-    except ImportError:
-        return None
+def tiny_llama() -> torch.nn.Module:
+    """A 2-layer transformers Llama, randomly initialised (ImportError without transformers)."""
+    import transformers
+
     config = transformers.LlamaConfig(
         hidden_size=64,
         intermediate_size=128,
@@ -129,8 +126,17 @@ def hugging_face(strategy: Any, batch: int) -> list[float] | None:
         num_key_value_heads=2,
         vocab_size=100,
     )
+    return transformers.LlamaForCausalLM(config)
+
+
+def hugging_face(strategy: Any, batch: int) -> list[float] | None:
+    """Train a tiny Llama (its own loss; under tp its own config.base_model_tp_plan); its
+    final parameters on rank 0, in state-dict order (``None``: no transformers here)."""
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    try:
+        model = tiny_llama()
+    except ImportError:
+        return None
     run = DistTrainer(
         Tokens(),
         model,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from torch.utils.data import Dataset
 from fastdist import DDP, AccuracyMetric, Callback, CrossEntropyLoss, DistTrainer, Metric
 from fastdist.callbacks import EarlyStopCallback, FitlogCallback
 from fastdist.distributed import get_rank, get_world_size
+from fastdist.logging import logger
 
 DIM, HIDDEN, CLASSES = 4, 8, 3
 BATCH = 8
@@ -87,6 +89,19 @@ class ToyNet(nn.Module):
 def flat_params(model: nn.Module) -> list[float]:
     """All parameters of ``model`` as one flat list."""
     return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+
+
+@contextlib.contextmanager
+def warnings_logged() -> Iterator[list[str]]:
+    """The WARNING and ERROR lines of fastdist's logger while the block runs."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
 
 
 def make_trainer(
