@@ -71,6 +71,32 @@ def test_command_reports_bad_input(capsys: pytest.CaptureFixture) -> None:
     assert "not a multiple of tp=2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ([SETUP.replace(":setup", ":missing")], "estimate_worker.py has no function missing"),
+        ([SETUP, "--tp", "0"], "--tp must be an integer >= 1, got 0"),
+        ([SETUP, "--world-size", "0"], "--world-size must be an integer >= 1, got 0"),
+        ([SETUP, "--memory", "-5GB"], "memory must be a positive size such as 80GB"),
+        ([SETUP, "--memory", "0"], "--memory must be more than 0 bytes"),
+    ],
+)
+def test_command_names_the_bad_argument(
+    capsys: pytest.CaptureFixture, args: list[str], error: str
+) -> None:
+    assert main(["estimate", *args]) == 1
+    printed = capsys.readouterr().err
+    assert printed.startswith("error: ") and error in printed, printed
+    assert printed.count("\n") == 1, printed  # one line, no traceback
+
+
+def test_unknown_amp_is_refused() -> None:
+    given = setup()
+    parts = (given["model"], given["optimizer"], given["batch"])
+    with pytest.raises(ValueError, match="amp must be one of None, 'bf16', 'fp16'; got 'fp32'"):
+        estimate_memory(*parts, amp="fp32")
+
+
 def test_parse_bytes() -> None:
     assert parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("24GiB") == 24 * 2**30

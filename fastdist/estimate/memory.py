@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from fastdist.checks import check_int
+from fastdist.checks import check_choice, check_int
 from fastdist.data.feed import make_forward, to_device
 from fastdist.estimate.activations import measure
 from fastdist.estimate.optimizer import state_shapes
@@ -116,6 +116,7 @@ def estimate_memory(
     """
     check_int("world_size", world_size, minimum=1)
     check_int("update_every", update_every, minimum=1)
+    check_choice("amp", amp, tuple(_AMP))
     strategy = resolve_strategy(strategy)
     styles, tp = _plan(model, strategy, world_size)
     sizes = _shards(model, strategy, world_size, styles, tp)
