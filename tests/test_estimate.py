@@ -7,12 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from workers.estimate_worker import setup
+import torch
+from workers.estimate_worker import MoENet, setup
 
-from fastdist import estimate_memory
+from fastdist import CrossEntropyLoss, estimate_memory
 from fastdist.cli import main
 from fastdist.estimate import parse_bytes
 from fastdist.strategies import FSDP
+from fastdist.strategies.blocks import find_blocks
 
 SETUP = f"{Path(__file__).resolve().parent / 'workers' / 'estimate_worker.py'}:setup"
 
@@ -40,6 +42,22 @@ def test_checkpointing_lowers_the_activations() -> None:
     plain = estimate_memory(*parts, "ddp", 2, loss=given["loss"])
     every = estimate_memory(*parts, "ddp", 2, loss=given["loss"], activation_checkpointing=True)
     assert every.activations < plain.activations
+
+
+def test_experts_are_part_of_their_block() -> None:
+    # The experts' nn.ModuleList inside each layer are not blocks of their own: checkpointing
+    # every second block keeps more than checkpointing every block.
+    model = MoENet()
+    assert find_blocks(model, None) == [f"layers.{i}" for i in range(4)]
+    x = torch.randn(2048, 16)
+    parts = (model, torch.optim.AdamW(model.parameters()), (x, (x[:, 0] > 0).long()))
+    found = {
+        setting: estimate_memory(
+            *parts, "ddp", 2, loss=CrossEntropyLoss(), activation_checkpointing=setting
+        ).activations
+        for setting in (False, True, "every-2")
+    }
+    assert found[True] < found["every-2"] < found[False], found
 
 
 def test_command_prints_the_table_and_the_largest_batch(capsys: pytest.CaptureFixture) -> None:

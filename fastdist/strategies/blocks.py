@@ -28,21 +28,18 @@ CHECKPOINTING_FORMS = "True (every block), False, or 'every-N' (every N-th block
 
 def find_blocks(model: nn.Module, wrap: Sequence[type[nn.Module]] | None) -> list[str]:
     """Names of the model's repeated blocks: instances of ``wrap``, or by default the
-    children of every ``nn.ModuleList`` (transformer layers). Outermost matches only."""
-    if wrap:
-        wrap_types = tuple(wrap)
-        names: list[str] = []
-        for name, module in model.named_modules():
-            inside = any(name.startswith(outer + ".") for outer in names)
-            if name and isinstance(module, wrap_types) and not inside:
+    children of every ``nn.ModuleList`` (transformer layers). Outermost matches only: a
+    list inside a block (an MoE layer's experts) is part of that block."""
+    names: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(outer + ".") for outer in names):
+            continue
+        if wrap:
+            if name and isinstance(module, tuple(wrap)):
                 names.append(name)
-        return names
-    return [
-        f"{name}.{child}" if name else child
-        for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList)
-        for child, _ in module.named_children()
-    ]
+        elif isinstance(module, nn.ModuleList):
+            names += [f"{name}.{child}" if name else child for child, _ in module.named_children()]
+    return names
 
 
 def checkpoint_period(value: object) -> int:

@@ -51,6 +51,51 @@ class Wide(nn.Module):
         return self.out(h)
 
 
+class Expert(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts layer: each token to its top expert (an ``nn.ModuleList``)."""
+
+    def __init__(self, width: int, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, experts)
+        self.experts = nn.ModuleList(Expert(width) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.router(x).softmax(-1)
+        top = weights.argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            chosen = top == i
+            out[chosen] = expert(x[chosen]) * weights[chosen][:, i : i + 1]
+        return x + out
+
+
+class MoENet(nn.Module):
+    """Layers of experts: the blocks are the layers, each holding a list of experts."""
+
+    def __init__(self, width: int = 256, layers: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, width)
+        self.layers = nn.ModuleList(MoE(width) for _ in range(layers))
+        self.out = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h)
+
+
 def status_bytes(field: str) -> int:
     """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
