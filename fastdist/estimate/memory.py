@@ -103,6 +103,10 @@ def estimate_memory(
     tensor parallelism on one rank's view of the split layers; the optimizer steps once on a
     copy on the meta device. Nothing else is allocated and the model is left as it was.
 
+    Accuracy: activations count what autograd keeps and one gradient, not the tensors alive
+    only while an operation runs (unkept intermediates of a block, the gradients of backward);
+    measured peaks were 0.83 to 1.35 times the estimate (conv nets the most above: README).
+
     Args:
         model, optimizer: as given to ``DistTrainer`` (the optimizer has not stepped).
         batch: one micro-batch (``batch_size_per_gpu`` samples), as the model is fed.
