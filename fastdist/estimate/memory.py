@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from fastdist.checks import check_int
+from fastdist.checks import check_choice, check_int
 from fastdist.data.feed import make_forward, to_device
 from fastdist.estimate.activations import measure
 from fastdist.estimate.optimizer import state_shapes
@@ -103,6 +103,10 @@ def estimate_memory(
     tensor parallelism on one rank's view of the split layers; the optimizer steps once on a
     copy on the meta device. Nothing else is allocated and the model is left as it was.
 
+    Accuracy: activations count what autograd keeps and one gradient, not the tensors alive
+    only while an operation runs (unkept intermediates of a block, the gradients of backward);
+    measured peaks were 0.83 to 1.35 times the estimate (conv nets the most above: README).
+
     Args:
         model, optimizer: as given to ``DistTrainer`` (the optimizer has not stepped).
         batch: one micro-batch (``batch_size_per_gpu`` samples), as the model is fed.
@@ -116,6 +120,7 @@ def estimate_memory(
     """
     check_int("world_size", world_size, minimum=1)
     check_int("update_every", update_every, minimum=1)
+    check_choice("amp", amp, tuple(_AMP))
     strategy = resolve_strategy(strategy)
     styles, tp = _plan(model, strategy, world_size)
     sizes = _shards(model, strategy, world_size, styles, tp)
