@@ -291,3 +291,48 @@ def test_export_explains_what_it_cannot_read(
     assert safetensors_torch.load_file(tmp_path / "p.safetensors")["w"].tolist() == [1.0, 1.0]
     assert main(["export", str(tmp_path / "plain.pt"), str(tmp_path / "plain.pt")]) == 1
     assert "is the checkpoint itself" in capsys.readouterr().err
+
+
+@pytest.fixture
+def umask_027() -> Any:
+    previous = os.umask(0o027)  # group may read, others nothing: not safetensors' 0o600
+    yield
+    os.umask(previous)
+
+
+def modes(folder: Path) -> dict[str, int]:
+    """The permission bits of every file under ``folder``, by path relative to it."""
+    return {
+        str(p.relative_to(folder)): p.stat().st_mode & 0o777
+        for p in folder.rglob("*")
+        if p.is_file()
+    }
+
+
+def test_safetensors_files_honour_the_umask(
+    no_dist_env: None, umask_027: None, tmp_path: Path
+) -> None:
+    model = GPT2(tiny_config())
+    trainer = DistTrainer(
+        lm_data(4),
+        model,
+        dev_data=lm_data(2, seed=1),
+        metrics=LossMetric(target="labels"),
+        metric_key="-loss",
+        save_path=str(tmp_path / "save"),
+        best_model_format="hf",
+        device="cpu",
+        use_tqdm=False,
+    )
+    trainer.train(resume=False)  # the best model: a save_pretrained folder
+    trainer.save_model(tmp_path / "out" / "m.safetensors", format="safetensors")
+    trainer.save_model(tmp_path / "out" / "hf", format="hf")
+    checkpoints = str(tmp_path / "save" / "checkpoints")
+    assert main(["export", checkpoints, str(tmp_path / "out" / "e.safetensors")]) == 0
+    make_trainer(Callback(), save_path=str(tmp_path / "st"), best_model_format="safetensors").train(
+        resume=False
+    )
+    files = {**modes(tmp_path / "out"), **modes(tmp_path / "save"), **modes(tmp_path / "st")}
+    # save_model's file and folder, export's file, the best models of both formats
+    assert len([name for name in files if name.endswith(".safetensors")]) == 5
+    assert {name: mode for name, mode in files.items() if mode != 0o640} == {}
