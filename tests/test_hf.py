@@ -84,6 +84,30 @@ def test_save_model_reloads_with_identical_logits(world: Any, strategy: str) -> 
 
 
 @pytest.mark.slow
+def test_the_save_pretrained_idiom_after_fsdp_raises_at_once_naming_save_model(
+    world: Any,
+) -> None:
+    out, ranks = world
+    fsdp = [rank["fsdp"]["save_pretrained"] for rank in ranks]
+    assert list(fsdp[1]) == ["every_rank"]  # rank 1 skipped `if rank == 0`
+    for call in [fsdp[0]["rank0"], fsdp[0]["every_rank"], fsdp[1]["every_rank"]]:
+        assert call["error"] == (
+            "RuntimeError: FSDPGPT2LMHeadModel.save_pretrained() cannot gather the weights FSDP "
+            "sharded over the ranks (a collective: under `if rank == 0` it would wait for the "
+            'other ranks forever): call trainer.save_model(dir, format="hf") on every rank '
+            "instead; rank 0 writes the folder save_pretrained would"
+        )
+        assert call["seconds"] < 1
+    assert not list((out / "fsdp").glob("save_pretrained_*"))  # nothing half-written
+    # Under DDP the model is the user's own: the idiom works, with the trained weights.
+    ddp = ranks[0]["ddp"]["save_pretrained"]["rank0"]
+    assert ddp["error"] is None
+    model = GPT2.from_pretrained(out / "ddp" / "save_pretrained_rank0")
+    with torch.no_grad():
+        assert torch.equal(model(probe()).logits, torch.load(out / "ddp" / "logits.pt"))
+
+
+@pytest.mark.slow
 def test_fsdp_trains_the_model_ddp_trains(world: Any) -> None:
     out, ranks = world
     ddp, fsdp = (torch.load(out / s / "model.pt", weights_only=True) for s in ("ddp", "fsdp"))

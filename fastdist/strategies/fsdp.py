@@ -28,7 +28,13 @@ from fastdist.distributed import get_rank, get_world_size, is_distributed
 from fastdist.logging import logger
 from fastdist.strategies.base import Strategy
 from fastdist.strategies.blocks import checkpoint_blocks, compile_blocks, find_blocks, plain_name
-from fastdist.strategies.sharded_io import ShardedModel, ShardedOptimizer, gather_full, scatter_full
+from fastdist.strategies.sharded_io import (
+    ShardedModel,
+    ShardedOptimizer,
+    gather_full,
+    refuse_sharded_save_pretrained,
+    scatter_full,
+)
 from fastdist.strategies.tensor_parallel import (
     DP,
     Plan,
@@ -216,6 +222,7 @@ class FSDP(Strategy):
         fully_shard(model, **{**options, "reshard_after_forward": False})
         if callable(getattr(model, "predict", None)):  # evaluation calls it: gather there too
             register_fsdp_forward_method(model, "predict")
+        refuse_sharded_save_pretrained(model)  # an error at once, not a hang under rank == 0
         logger.info(
             "fsdp: sharded %d block(s) one by one%s, then the root %s",
             len(blocks),
