@@ -35,6 +35,7 @@ from fastdist.checkpoint.files import (
     atomic_save,
     fsync_dir,
     load_checkpoint,
+    new_file_mode,
 )
 from fastdist.checkpoint.format1 import upgrade
 from fastdist.checks import check_choice, check_writable_dir, describe
@@ -98,8 +99,8 @@ def write_model(
         atomic_save(weights, path)
     elif format == "safetensors":
         tensors = _unshared(weights)
-        with atomic_file(path) as f:  # safetensors writes the temp file by its name
-            _safetensors("format").save_file(tensors, f.name, metadata={"format": "pt"})
+        with atomic_file(path) as f:  # save_file would replace it by a file of mode 0o600
+            f.write(_safetensors("format").save(tensors, metadata={"format": "pt"}))
     else:
         assert model is not None
         _write_folder(model, weights, path)
@@ -221,7 +222,9 @@ def _write_folder(model: nn.Module, weights: dict[str, Any], path: str) -> None:
     try:
         # With the full weights given it reads none from the (maybe sharded) model.
         model.save_pretrained(tmp, state_dict=weights)  # type: ignore[operator]
+        mode = new_file_mode(tmp)  # safetensors makes its files 0o600
         for file in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, file), mode)
             with open(os.path.join(tmp, file), "rb") as f:
                 os.fsync(f.fileno())
         fsync_dir(tmp)

@@ -58,6 +58,17 @@ def atomic_file(path: str) -> Iterator[IO[bytes]]:
     fsync_dir(directory)
 
 
+def new_file_mode(directory: str) -> int:
+    """The permission bits a file created in ``directory`` gets (0o666 less the umask, or as
+    the directory's default ACL says), found by creating one: reading the umask would mean
+    setting it, process-wide."""
+    probe = os.path.join(directory, f".tmp-{uuid.uuid4().hex}-mode")
+    with open(probe, "xb") as f:
+        mode = os.fstat(f.fileno()).st_mode & 0o777
+    os.unlink(probe)
+    return mode
+
+
 def fsync_dir(directory: str) -> None:
     """Make a rename inside ``directory`` durable (before anything names its result)."""
     dir_fd = os.open(directory, os.O_RDONLY)

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from fastdist.data.feed import make_forward, to_device
 from fastdist.data.workers import worker_context
 from fastdist.distributed import all_gather_object, get_rank
+from fastdist.distributed.position import enter_on_every_rank
 from fastdist.evaluation.evaluator import ShardSampler, padded_batches
 from fastdist.evaluation.spill import Writer, cleanup, merge, open_work_dir, spill_path
 from fastdist.strategies import data_shard, eval_view
@@ -48,8 +49,10 @@ def predict(
 ) -> list[Any] | None:
     """Run ``model`` over ``data`` on every rank; rank 0 gets the outputs in dataset order.
 
-    Call it on every rank. Each rank predicts its shard in eval mode under ``torch.no_grad()``
-    (a ``DistributedDataParallel`` model is unwrapped first) and streams each sample's output
+    Call it on every rank (where one does not, the others raise: at once if its script ended,
+    else after torch's default timeout). Each rank predicts its shard in eval mode under
+    ``torch.no_grad()`` (a ``DistributedDataParallel`` model is unwrapped first) and streams
+    each sample's output
     to ``<shared_dir>/fastdist-predict-XXXX/rank<r>.*``; rank 0 then merges the files in
     dataset order. Every sample is predicted exactly once, whatever the world size.
 
@@ -96,6 +99,7 @@ def predict(
         >>> predict(model, test_data, output_path="pred.jsonl")  # rank 0 writes the file
     """
     n = _check_args(data, batch_size_per_gpu, output_path, writer, to_output, num_workers)
+    enter_on_every_rank("predict", None)  # a rank not calling it: an error, not a hang
     rank = get_rank()
     model, equal_forwards = eval_view(model)  # a DDP wrapper is unwrapped
     shard = data_shard(model)  # tensor-parallel peers predict the same samples; one writes

@@ -11,7 +11,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -29,7 +28,13 @@ from fastdist.distributed import get_rank, get_world_size, is_distributed
 from fastdist.logging import logger
 from fastdist.strategies.base import Strategy
 from fastdist.strategies.blocks import checkpoint_blocks, compile_blocks, find_blocks, plain_name
-from fastdist.strategies.sharded_io import ShardedModel, ShardedOptimizer, gather_full, scatter_full
+from fastdist.strategies.sharded_io import (
+    ShardedModel,
+    ShardedOptimizer,
+    gather_full,
+    refuse_sharded_save_pretrained,
+    scatter_full,
+)
 from fastdist.strategies.tensor_parallel import (
     DP,
     Plan,
@@ -198,7 +203,7 @@ class FSDP(Strategy):
                 compile_blocks(model, blocks)
             return optimizer
         old_names = {id(p): name for name, p in model.named_parameters()}
-        mesh = self._tensor_parallel(model, device, group, timeout)
+        mesh = self._tensor_parallel(model, device, timeout)
         checkpoint_blocks(model, blocks, checkpointing)
         if compile:
             compile_blocks(model, blocks)
@@ -217,6 +222,7 @@ class FSDP(Strategy):
         fully_shard(model, **{**options, "reshard_after_forward": False})
         if callable(getattr(model, "predict", None)):  # evaluation calls it: gather there too
             register_fsdp_forward_method(model, "predict")
+        refuse_sharded_save_pretrained(model)  # an error at once, not a hang under rank == 0
         logger.info(
             "fsdp: sharded %d block(s) one by one%s, then the root %s",
             len(blocks),
@@ -227,16 +233,15 @@ class FSDP(Strategy):
         return optimizer
 
     def _tensor_parallel(
-        self, model: nn.Module, device: torch.device, group: Any, timeout: float | None
+        self, model: nn.Module, device: torch.device, timeout: float | None
     ) -> DeviceMesh:
         """Apply the plan on the ``tp`` dimension of a 2-D mesh (``tp > 1``); return the mesh
-        FSDP shards over: its ``dp_shard`` dimension, or the trainer's group."""
-        if self.tp == 1:
-            group = group or dist.group.WORLD
-            assert group is not None  # several processes: the default group exists
-            return DeviceMesh.from_group(group, device.type)
+        FSDP shards over: the process's ``dp_shard`` mesh (not one of the trainer's group,
+        which goes with the trainer: see :func:`make_mesh`)."""
         dp = get_world_size() // self.tp
         mesh = make_mesh(device.type, dp, self.tp, timeout)  # kept for the process
+        if self.tp == 1:
+            return mesh
         plan = resolve_plan(model, self.tp_plan)
         apply_plan(model, plan, mesh)
         logger.info(

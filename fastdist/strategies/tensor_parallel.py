@@ -260,15 +260,22 @@ _MESHES: dict[tuple[str, int, int], DeviceMesh] = {}
 
 def make_mesh(device_type: str, dp: int, tp: int, timeout: float | None) -> DeviceMesh:
     """The 2-D mesh ``dp_shard`` x ``tp`` of all ranks (tensor-parallel peers adjacent: rank
-    ``r`` is ``dp_shard`` ``r // tp``, ``tp`` ``r % tp``), made once per process; its groups
-    time out like the first trainer's (``timeout`` seconds, ``None``: torch's default)."""
+    ``r`` is ``dp_shard`` ``r // tp``, ``tp`` ``r % tp``), or with ``tp=1`` the 1-D mesh
+    ``dp_shard``, made once per process; its groups time out like the first trainer's
+    (``timeout`` seconds, ``None``: torch's default).
+
+    Once per process, never torn down with a trainer: DTensor caches its sharding decisions
+    by mesh, and meshes of the same ranks compare equal whatever their groups, so a later
+    trainer's DTensors would be sent through a group torn down with an earlier trainer
+    ("Could not resolve the process group")."""
     key = (device_type, dp, tp)
     if key not in _MESHES:
+        names = (DP, TP) if tp > 1 else (DP,)
         override: dict[int | str, Any] | None = None
         if timeout is not None:
-            override = {DP: _options(timeout), TP: _options(timeout)}
+            override = {name: _options(timeout) for name in names}
         _MESHES[key] = init_device_mesh(
-            device_type, (dp, tp), mesh_dim_names=(DP, TP), backend_override=override
+            device_type, (dp, tp)[: len(names)], mesh_dim_names=names, backend_override=override
         )
     return _MESHES[key]
 

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import Dataset, Sampler
 
 from fastdist.callbacks.callback import Callback
+from fastdist.distributed.position import enter_on_every_rank
 from fastdist.evaluation.predict import predict as run_predict
 from fastdist.strategies import Strategy
 from fastdist.trainer.build import build
@@ -245,7 +246,8 @@ class DistTrainer:
             >>> trainer.save_model("out/model", format="hf")  # on every rank
             >>> GPT2LMHeadModel.from_pretrained("out/model")
         """
-        return run_save_model(self.strategy, path, format, self._loop.world.group)
+        group, timeout = self._loop.world.group, self.options.timeout
+        return run_save_model(self.strategy, path, format, group, timeout)
 
     def predict(
         self,
@@ -264,6 +266,7 @@ class DistTrainer:
         """
         board = self._loop.world.board
         board.publish(phase="predict")
+        enter_on_every_rank("predict", self.options.timeout)  # before_evaluation may broadcast
         self.strategy.before_evaluation()  # as evaluate() does
         kwargs.setdefault("collate_fn", self._loop.run.validator.evaluator.collate_fn)
         kwargs.setdefault("num_workers", self.options.num_workers)
