@@ -84,12 +84,27 @@ def _verify(
     """Check this rank's share of ``candidate``'s files, then load its rest: what is wrong
     (naming the file) and ``None``, or ``None`` and the checkpoint."""
     try:
-        for path, expected in sorted(candidate.checksums.items())[rank::world_size]:
-            if crc32(path) != expected:
-                return f"{path}: its CRC-32 does not match the manifest (truncated?)", None
-        return None, load_checkpoint(candidate.path)
+        problem = mismatch(sorted(candidate.checksums.items())[rank::world_size])
+        return (problem, None) if problem else (None, load_checkpoint(candidate.path))
     except Exception as exc:  # missing, unreadable, not a checkpoint: agreed on as a mismatch
         return f"{type(exc).__name__}: {exc}", None
+
+
+def mismatch(checksums: Iterable[tuple[str, int]]) -> str | None:
+    """The first of the files ``checksums`` names whose CRC-32 differs from the one given (the
+    manifest's), described; ``None`` if they all match. A missing file raises ``OSError``."""
+    for path, expected in checksums:
+        if crc32(path) != expected:
+            return f"{path}: its CRC-32 does not match the manifest (truncated?)"
+    return None
+
+
+def listed(path: str) -> Candidate:
+    """``path`` with the checksums the manifest next to it records (none if it lists none)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    entries = CheckpointDir(parent, keep=1).entries()
+    entry = next((e for e in entries if e["file"] == name), None)
+    return Candidate(path, {} if entry is None else expected_checksums(parent, entry))
 
 
 def _plan_or_error(
@@ -129,15 +144,7 @@ def _plan(
         )
     if directory is not None:
         _check_may_start(directory, path)
-    return Plan([]) if path is None else Plan([_named(path)], explicit=True)
-
-
-def _named(path: str) -> Candidate:
-    """``path`` with the checksums the manifest next to it records (none if it lists none)."""
-    parent, name = os.path.split(os.path.abspath(path))
-    entries = CheckpointDir(parent, keep=1).entries()
-    entry = next((e for e in entries if e["file"] == name), None)
-    return Candidate(path, {} if entry is None else expected_checksums(parent, entry))
+    return Plan([]) if path is None else Plan([listed(path)], explicit=True)
 
 
 def _check_may_start(directory: CheckpointDir, path: str | None) -> None:
@@ -159,8 +166,8 @@ def _check_may_start(directory: CheckpointDir, path: str | None) -> None:
 
 
 def _refuse(directory: CheckpointDir, what: str, names: Iterable[str], run: str) -> NoReturn:
-    listed = sorted(names)
-    shown = ", ".join(listed[:3]) + (", ..." if len(listed) > 3 else "")
+    ordered = sorted(names)
+    shown = ", ".join(ordered[:3]) + (", ..." if len(ordered) > 3 else "")
     raise FileExistsError(
         f"the checkpoint directory {directory.directory!r} already holds {what} ({shown}), "
         f"which {run} would prune or overwrite: continue them with train(resume='auto'), "
