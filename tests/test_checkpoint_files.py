@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from inprocess import make_trainer
 
 from fastdist import DistTrainer
@@ -192,3 +193,22 @@ def test_a_file_given_as_resume_that_is_not_a_checkpoint_is_named(tmp_path: Path
         trainer(None).train(resume=str(missing))
     with pytest.raises(ValueError, match=r"resume=True: pass 'auto', a checkpoint's path, or"):
         trainer(None).train(resume=True)
+
+
+def test_runs_sharing_save_path_in_one_second_keep_both_best_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs in one ``save_path`` (each its own checkpoint_dir) whose first best evaluation
+    falls in the same second (the clock held there): the second run's best model gets a name of
+    its own, and the first run's file keeps its bytes."""
+    monkeypatch.setattr("time.strftime", lambda *args: "2026-11-25-12-00-00")
+    trainer(tmp_path, checkpoint_dir=str(tmp_path / "a")).train()
+    name = "best_Linear_acc_2026-11-25-12-00-00"
+    kept = (tmp_path / f"{name}.pt").read_bytes()
+    trainer(tmp_path, checkpoint_dir=str(tmp_path / "b"), batch_size_per_gpu=2).train()
+    assert sorted(p.name for p in tmp_path.glob("best_*")) == [f"{name}-2.pt", f"{name}.pt"]
+    assert (tmp_path / f"{name}.pt").read_bytes() == kept
+    first_weights, second_weights = (
+        torch.load(tmp_path / f"{stem}.pt", weights_only=True) for stem in (name, f"{name}-2")
+    )
+    assert not torch.equal(first_weights["fc.weight"], second_weights["fc.weight"])

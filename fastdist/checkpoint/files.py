@@ -19,6 +19,7 @@ verifies the checksums and uses ``torch.load(weights_only=True)``, which refuses
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -56,6 +57,23 @@ def atomic_file(path: str) -> Iterator[IO[bytes]]:
             os.unlink(tmp)
         raise
     fsync_dir(directory)
+
+
+def claim_new(stem: str, suffix: str = "", folder: bool = False) -> str:
+    """Create the empty file (or ``folder``) ``stem + suffix``, else ``stem-2 + suffix``,
+    ``stem-3``...: the first name no one holds, created exclusively (two processes claiming
+    at once get two names). Return its path."""
+    for n in itertools.count(1):
+        path = stem + ("" if n == 1 else f"-{n}") + suffix
+        try:
+            if folder:
+                os.mkdir(path)
+            else:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return path
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
 
 
 def fsync_dir(directory: str) -> None:
