@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -199,8 +200,7 @@ class CheckpointDir:
         owned = [e for e in entries if e["file"] in self.own]
         dropped = owned[: -self.keep]
         kept = [e for e in entries if e not in dropped]  # another run's stay listed
-        with atomic_file(os.path.join(self.directory, MANIFEST)) as f:
-            f.write(json.dumps(kept, indent=1).encode())
+        _write_manifest(self.directory, kept)
         for old in dropped:  # only now that the new checkpoint and manifest are durable
             old_path = os.path.join(self.directory, old["file"])
             if os.path.isdir(old_path):
@@ -208,6 +208,23 @@ class CheckpointDir:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(old_path)
             self.own.discard(old["file"])
+
+    def set_aside(self, names: Iterable[str]) -> str:
+        """Move the checkpoints ``names`` with their manifest entries into a new sibling
+        directory named for the time, ``<directory>-set-aside-<time>`` (``-2``... if taken): a
+        checkpoint directory of its own, to resume from. Return its path."""
+        names = set(names)
+        stamp = time.strftime("%Y-%m-%d-%H-%M-%S")
+        stem = os.path.abspath(self.directory).rstrip(os.sep)
+        aside = claim_new(f"{stem}-set-aside-{stamp}", folder=True)
+        entries = self.entries()
+        _write_manifest(aside, [e for e in entries if e["file"] in names])
+        for name in sorted(names):  # one filesystem: renames, nothing copied
+            os.replace(os.path.join(self.directory, name), os.path.join(aside, name))
+        fsync_dir(aside)
+        _write_manifest(self.directory, [e for e in entries if e["file"] not in names])
+        fsync_dir(os.path.dirname(aside))
+        return aside
 
     def export(self, path: str, destination: str) -> None:
         """Put this directory's checkpoint ``path`` and a manifest that lists it alone into the
@@ -244,6 +261,11 @@ class CheckpointDir:
         fsync_dir(self.directory)
         self.record(path, entry["crc32"], entry["step"], entry.get("files"))
         return int(entry["step"])
+
+
+def _write_manifest(directory: str, entries: list[dict[str, Any]]) -> None:
+    with atomic_file(os.path.join(directory, MANIFEST)) as f:
+        f.write(json.dumps(entries, indent=1).encode())
 
 
 def _copy(source: str, target: str, *copy_file: Callable[[str, str], Any]) -> None:

@@ -149,8 +149,8 @@ def _plan(
 
 def _check_may_start(directory: CheckpointDir, path: str | None) -> None:
     """Refuse a run that would prune or overwrite checkpoints it does not continue: a fresh
-    start (``path`` ``None``) or one from elsewhere where the directory holds checkpoints, or
-    one from a checkpoint of the directory older than others there."""
+    start (``path`` ``None``) or one from elsewhere where the directory holds checkpoints. One
+    from a checkpoint of the directory older than others there first sets those aside."""
     held = directory.held()
     if not held:
         return
@@ -159,9 +159,19 @@ def _check_may_start(directory: CheckpointDir, path: str | None) -> None:
     name = os.path.basename(os.path.abspath(path))
     if name not in held or not _same_dir(path, directory.directory):
         _refuse(directory, "checkpoints", held, f"a run resumed from {path!r}")
-    newer = [other for other, step in held.items() if step > held[name]]
-    if newer:
-        _refuse(directory, f"checkpoints newer than {path!r}", newer, "this run")
+    newer = sorted(other for other, step in held.items() if step > held[name])
+    if newer:  # a rollback in place: the newer ones are kept, elsewhere
+        aside = directory.set_aside(newer)
+        logger.warning(
+            "rolling back to %s: the %d newer checkpoint(s) of %s (%s) were moved to %s, with "
+            "a manifest (resume from there to return to them)",
+            path,
+            len(newer),
+            directory.directory,
+            ", ".join(newer),
+            aside,
+        )
+        held = directory.held()
     directory.adopt(held)  # it continues the newest: the directory's checkpoints are its own
 
 
