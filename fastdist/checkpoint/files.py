@@ -19,6 +19,7 @@ verifies the checksums and uses ``torch.load(weights_only=True)``, which refuses
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import os
@@ -94,11 +95,44 @@ def atomic_save(obj: Any, path: str) -> int:
     catches truncation and corruption at GB/s, where sha256 would double the cost (measured
     with benchmarks/checkpoint.py).
     """
-    with atomic_file(path) as f:
-        torch.save(obj, f)
-        f.flush()
-        checksum = crc32(f.name)
+    try:
+        with atomic_file(path) as f:
+            torch.save(obj, f)
+            f.flush()
+            checksum = crc32(f.name)
+    except (OSError, RuntimeError) as exc:  # a full disk: torch says "unexpected pos ..."
+        raise OSError(_write_failure(path, _tensor_bytes(obj), exc)) from exc
     return checksum
+
+
+def _write_failure(path: str, size: int, exc: BaseException) -> str:
+    """Why writing ``size`` bytes of tensors to ``path`` failed, in one line (its temp file is
+    gone already): no space, if less is free than it needs, else ``exc``'s own words."""
+    usage = shutil.disk_usage(os.path.dirname(os.path.abspath(path)))
+    if usage.free < size or getattr(exc, "errno", None) == errno.ENOSPC:
+        cause = f"no space left on its filesystem ({_mib(usage.free)} free)"
+    else:
+        cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+    return (
+        f"could not write the checkpoint {path} (about {_mib(size)} of tensors): {cause}; free "
+        "space or use another save_path/checkpoint_dir, then train(resume='auto') continues "
+        "from the newest intact checkpoint"
+    )
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in ``obj`` (dicts, lists and tuples searched)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(map(_tensor_bytes, obj.values()))
+    if isinstance(obj, (list, tuple)):
+        return sum(map(_tensor_bytes, obj))
+    return 0
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.2f} MiB"
 
 
 def crc32(path: str) -> int:
