@@ -40,7 +40,7 @@ from fastdist.checkpoint.files import (
     load_checkpoint,
 )
 from fastdist.checkpoint.format1 import upgrade
-from fastdist.checkpoint.resume import Candidate, listed, mismatch
+from fastdist.checkpoint.resume import Candidate, listed, unverified
 from fastdist.checks import check_choice, check_writable_dir, describe
 from fastdist.logging import logger
 
@@ -190,7 +190,7 @@ def _verified(path: str) -> str:
     """The checkpoint ``path`` names, its files checked against the manifest's CRC-32 (those
     of a file no manifest lists: none); of a checkpoint directory, the newest that verifies."""
     if not _is_checkpoint_dir(path):
-        problem = _mismatch(listed(path))
+        problem = unverified(listed(path))
         if problem is not None:
             raise ValueError(f"{path} cannot be exported: {problem}; pass another checkpoint")
         return path
@@ -202,18 +202,11 @@ def _verified(path: str) -> str:
         )
     for entry in reversed(entries):
         candidate = Candidate(os.path.join(path, entry["file"]), expected_checksums(path, entry))
-        problem = _mismatch(candidate)
+        problem = unverified(candidate)
         if problem is None:
             return candidate.path
         logger.warning("skipping checkpoint %s: %s", candidate.path, problem)
     raise ValueError(f"{path}: no checkpoint its manifest.json lists verifies (see above)")
-
-
-def _mismatch(candidate: Candidate) -> str | None:
-    try:
-        return mismatch(sorted(candidate.checksums.items()))
-    except OSError as exc:  # a file the manifest lists is missing or unreadable
-        return f"{type(exc).__name__}: {exc}"
 
 
 def _load(path: str) -> dict[str, Any]:

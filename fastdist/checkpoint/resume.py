@@ -99,6 +99,15 @@ def mismatch(checksums: Iterable[tuple[str, int]]) -> str | None:
     return None
 
 
+def unverified(candidate: Candidate) -> str | None:
+    """What is wrong with ``candidate``'s files (a CRC-32 that differs, a file missing),
+    described; ``None`` if nothing is (its checksums all match)."""
+    try:
+        return mismatch(sorted(candidate.checksums.items()))
+    except OSError as exc:  # a file the manifest lists is missing or unreadable
+        return f"{type(exc).__name__}: {exc}"
+
+
 def listed(path: str) -> Candidate:
     """``path`` with the checksums the manifest next to it records (none if it lists none)."""
     parent, name = os.path.split(os.path.abspath(path))
