@@ -219,7 +219,7 @@ class FSDP(Strategy):
                 compile_blocks(model, blocks)
             return optimizer
         old_names = {id(p): name for name, p in model.named_parameters()}
-        mesh = self._tensor_parallel(model)
+        mesh = self._apply_layout(model)
         checkpoint_blocks(model, blocks, checkpointing)
         if compile:
             compile_blocks(model, blocks)
@@ -247,7 +247,7 @@ class FSDP(Strategy):
         switch_parameters(optimizer, old_names, model)
         return optimizer
 
-    def _tensor_parallel(self, model: nn.Module) -> Any:
+    def _apply_layout(self, model: nn.Module) -> Any:
         """Apply the plan on the topology's ``tp`` mesh (``tp > 1``); return the mesh FSDP
         shards over: ``dp_shard``, or ``dp_replicate`` x ``dp_shard`` (HSDP)."""
         topology = self.topology

@@ -80,7 +80,8 @@ class DistTrainer:
         check_sync_every: every N updates (and at the end) compare a checksum of the
             parameters every rank holds a copy of across ranks and raise on the first that
             differs; 0 turns it off. (Under local SGD they are compared where they agree; under
-            FSDP each parameter has one copy: there is nothing to compare.)
+            FSDP each parameter has one copy: there is nothing to compare; under HSDP the
+            replica groups' shards are compared: ``topology.copies``.)
         checkpoint_every: write a checkpoint every N optimizer updates as well as at every
             epoch end (0: epoch ends only).
         checkpoint_dir: where checkpoints go; default ``<save_path>/checkpoints``; with
