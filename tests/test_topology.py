@@ -118,7 +118,7 @@ def test_tensor_parallel_trains_one_process_model(one: dict[str, Any], out: Path
 def test_hsdp_trains_one_process_model(one: dict[str, Any], out: Path) -> None:
     """FSDP(replicate=2) on 4 ranks and DDP on 4 reach one process's parameters; replicate=3
     is refused alike on every rank before any mesh; check_sync_every compares the replica
-    groups' shards."""
+    groups' shards and finds one rank's copy drifting."""
     ranks = launch(out, "hsdp", 4)
     assert len({r["bad"] for r in ranks}) == 1 and "FSDP(replicate=3)" in ranks[0]["bad"]
     assert "world has 4" in ranks[0]["bad"] and ranks[0]["meshes_made"] == 0
@@ -128,6 +128,9 @@ def test_hsdp_trains_one_process_model(one: dict[str, Any], out: Path) -> None:
         torch.testing.assert_close(params(ranks[0][run]), alone, rtol=0, atol=1e-5, msg=run)
     assert ranks[0]["hsdp"]["copies"] == [[0, 2], [1, 3]]
     assert [r["hsdp"]["shard"][0] for r in ranks] == [0, 1, 2, 3]
+    # rank 0's copy drifted from rank 2's: every rank raises at the next check
+    assert all("differs across ranks at step 3" in r["diverged"] for r in ranks)
+    assert "{0: " in ranks[0]["diverged"] and ", 2: " in ranks[0]["diverged"]
 
 
 @pytest.mark.slow

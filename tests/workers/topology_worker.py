@@ -44,6 +44,16 @@ class Steps(Callback):
         self.seen = {"shard": [shard.rank, shard.size, shard.primary], "copies": topology.copies}
 
 
+class Diverge(Callback):
+    """Run on rank 0 only (callbacks_master): its copy of the first parameter's shard drifts
+    after update 2, as code on one rank only would make it."""
+
+    def on_step_end(self) -> None:
+        if self.trainer.state.global_step == 2:
+            with torch.no_grad():
+                next(self.trainer.model.parameters()).to_local().add_(1.0)
+
+
 class Part(IterableDataset):
     """The items ``i`` with ``i % size == rank`` of a stream of ``N_TRAIN`` ToyData samples."""
 
@@ -126,6 +136,11 @@ def main(argv: list[str]) -> int:
         result["meshes_made"] = len(_MESHES)
         result["hsdp"] = train(FSDP(replicate=2), batch=2, check_sync_every=1)
         result["ddp"] = train("ddp", batch=2, check_sync_every=1)
+        try:
+            train(FSDP(replicate=2), batch=2, check_sync_every=1, callbacks_master=[Diverge()])
+            result["diverged"] = ""
+        except RuntimeError as exc:
+            result["diverged"] = str(exc)
     else:
         result["hsdp_tp"] = train(FSDP(replicate=2, tp=2, tp_plan=PLAN), batch=2)
     write_json(out, result)
