@@ -27,7 +27,7 @@ from fastdist.distributed import all_gather_object, get_rank
 from fastdist.distributed.position import enter_on_every_rank
 from fastdist.evaluation.evaluator import ShardSampler, padded_batches
 from fastdist.evaluation.spill import Writer, cleanup, merge, open_work_dir, spill_path
-from fastdist.strategies import data_shard, eval_view
+from fastdist.strategies import Strategy, Topology, eval_view
 
 #: ``to_output(output, batch)``: the per-sample outputs of one batch, in batch order.
 ToOutput = Callable[[Any, Any], list[Any]]
@@ -46,6 +46,7 @@ def predict(
     group: Any = None,
     num_workers: int = 0,
     multiprocessing_context: str | None = None,
+    topology: Topology | None = None,
 ) -> list[Any] | None:
     """Run ``model`` over ``data`` on every rank; rank 0 gets the outputs in dataset order.
 
@@ -87,6 +88,9 @@ def predict(
         group: process group of the collectives (all ranks); default the world.
         num_workers: DataLoader worker processes per rank.
         multiprocessing_context: how they start (see :mod:`fastdist.data.workers`).
+        topology: the layout the model runs on, which says this rank's data shard
+            (``trainer.topology``; tensor-parallel peers predict the same samples);
+            default: every rank a shard of its own.
 
     Returns:
         On rank 0 the list of per-sample outputs in dataset order, or ``None`` with
@@ -102,7 +106,7 @@ def predict(
     enter_on_every_rank("predict", None)  # a rank not calling it: an error, not a hang
     rank = get_rank()
     model, equal_forwards = eval_view(model)  # a DDP wrapper is unwrapped
-    shard = data_shard(model)  # tensor-parallel peers predict the same samples; one writes
+    shard = (topology or Topology.of(Strategy())).data_shard  # tp peers share one; one writes
     if device is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")

@@ -15,10 +15,12 @@ from torch.utils.data import Dataset, IterableDataset, Sampler
 from fastdist.callbacks.callback import Callback, state_keys
 from fastdist.checkpoint.export import check_format
 from fastdist.checks import check_instance, check_list, check_writable_dir, describe
+from fastdist.data import ShardedStream, TokenBatchSampler
 from fastdist.distributed.env import get_local_rank, get_world_size, visible_gpu_count
 from fastdist.evaluation.validator import as_metric_list, resolve_metric_key
 from fastdist.losses import Loss, as_loss_fn
 from fastdist.metrics import Metric
+from fastdist.strategies import Strategy, Topology
 from fastdist.trainer.options import TrainerOptions
 
 #: DistTrainer keywords that became options of a strategy object: name -> (class, option).
@@ -61,6 +63,19 @@ class Arguments:
         return isinstance(self.train_data, IterableDataset)
 
 
+def shard_data(train_data: Any, batch_sampler: Any, strategy: Strategy) -> int:
+    """Tell a token batch sampler this rank's data shard, which tensor-parallel peers share
+    (:class:`~fastdist.strategies.Topology`), and check a sharded stream's; return how many
+    data shards there are. Raises before any collective (the layout is known from the
+    environment)."""
+    shard = Topology.of(strategy).data_shard
+    if isinstance(batch_sampler, TokenBatchSampler):
+        batch_sampler.set_shard(shard.rank, shard.size)
+    if isinstance(train_data, ShardedStream):
+        train_data.check_shard(shard.rank, shard.size, get_world_size())
+    return shard.size
+
+
 def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
     """Check every argument of ``DistTrainer`` (``given`` by name, ``extra``: keywords it
     does not take); raise alike on every rank, before any collective. Last, every rank
@@ -74,10 +89,11 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
         check_dataset("dev_data", dev_data)
     sampler, batch_sampler = given["sampler"], given["batch_sampler"]
     check_samplers(sampler, batch_sampler, stream, options.drop_last)
+    shards = shard_data(train_data, batch_sampler, options.strategy)
     if not stream:
         n_train = check_dataset("train_data", train_data)
         if sampler is None and batch_sampler is None:
-            n_rank = n_train // get_world_size()
+            n_rank = n_train // shards
             check_enough_samples(n_rank, options.batch_size_per_gpu, options.drop_last)
     metrics = check_metrics(given["metrics"], dev_data is not None, options.metric_key)
     metric_key, larger_better = resolve_metric_key(options.metric_key, metrics)

@@ -145,9 +145,8 @@ class Loop:
         self.progress.update()
         every = self.options.check_sync_every
         if every and state.global_step % every == 0:
-            check_in_sync(
-                self.strategy.replicas(state.global_step), state.global_step, self.world.group
-            )
+            replicas = self.strategy.replicas(state.global_step)
+            check_in_sync(replicas, state.global_step, self.world.group, self.world.topology.copies)
         return True
 
     def _warn_skipped(self) -> None:
@@ -332,9 +331,8 @@ class Loop:
         self.sync(check_model=True)
         self.run.slow_ranks.summary()
         if self.options.check_sync_every:
-            check_in_sync(
-                self.strategy.replicas(state.global_step), state.global_step, self.world.group
-            )
+            replicas = self.strategy.replicas(state.global_step)
+            check_in_sync(replicas, state.global_step, self.world.group, self.world.topology.copies)
         if self.options.load_best_model and state.best_eval is not None:
             self.run.validator.best.load(self.world.rank == 0)
             logger.info(
