@@ -198,14 +198,19 @@ def expected_hooks(n_micro: int, update_every: int, n_epochs: int) -> list[str]:
 
 
 def test_callback_order(world: World) -> None:
-    """callbacks_all on every rank, callbacks_master on rank 0 after them, hooks in order."""
+    """callbacks_all on every rank, callbacks_master on rank 0 after them, hooks in order; an
+    EchoCallback (fastNLP's: hooks answered by ``__getattribute__``) is called on every hook,
+    on the ranks of its list, and so is on_exception when training fails."""
     # 48 samples, update_every 2, 2 epochs: 3 micro-batches per rank on 2 ranks (a short last
     # window), 6 on one.
     hooks = expected_hooks(48 // world.size // BATCH, update_every=2, n_epochs=2)
     for rank, got in world.case("hooks"):
-        tags = ["all-a", "all-b"] + (["master"] if rank == 0 else [])
+        tags = ["all-a", "all-b", "all-echo"] + (["master", "master-echo"] if rank == 0 else [])
         expected = [[hook, tag] for hook in hooks for tag in tags]
         assert got["log"] == expected, f"rank {rank}"
+        failed = [["on_train_begin", "all-echo"], ["on_exception", "all-echo"]]
+        failed += [["on_exception", "master-echo"]] if rank == 0 else []
+        assert got["failed"] == failed, f"rank {rank}"
 
 
 def test_stop_requested_on_rank_zero_only(world: World) -> None:
