@@ -21,19 +21,19 @@ from fastdist.evaluation.validator import as_metric_list, resolve_metric_key
 from fastdist.losses import Loss, as_loss_fn
 from fastdist.metrics import Metric
 from fastdist.strategies import Strategy, Topology
+from fastdist.strategies.registry import BY_NAME
 from fastdist.trainer.options import TrainerOptions
 
 #: DistTrainer keywords that became options of a strategy object: name -> (class, option).
 MOVED = {
-    "find_unused_parameters": ("DDP", "find_unused_parameters"),
-    "static_graph": ("DDP", "static_graph"),
-    "gradient_as_bucket_view": ("DDP", "gradient_as_bucket_view"),
-    "bucket_cap_mb": ("DDP", "bucket_cap_mb"),
     "ddp_comm_hook": ("DDP", "comm_hook"),
-    "average_every": ("DDP", "average_every"),
     "fsdp_wrap": ("FSDP", "wrap"),
-    "reshard_after_forward": ("FSDP", "reshard_after_forward"),
-    "cpu_offload": ("FSDP", "cpu_offload"),
+}
+# Every option of a strategy given to DistTrainer itself (tp=2): where it belongs.
+MOVED |= {
+    option: (cls.__name__, option)
+    for cls in BY_NAME.values()
+    for option in inspect.signature(cls).parameters
 }
 
 
@@ -146,14 +146,23 @@ def reject_extra(extra: Mapping[str, Any], known: Collection[str]) -> None:
     for name, value in extra.items():
         if name in MOVED:
             cls, option = MOVED[name]
-            which = f"an option of fastdist.strategies.{cls}"
-            if option != name:
-                which = f"now the {option} option of fastdist.strategies.{cls}"
-            raise TypeError(f"{name} is {which}: strategy={cls}({option}={value!r})")
+            raise TypeError(
+                f"{name}= is an option of the strategy (fastdist.strategies.{cls}), not of "
+                f"DistTrainer: pass strategy={cls}({option}={_shown(value)})"
+            )
     for name in extra:
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         raise TypeError(f"DistTrainer got an unexpected keyword argument {name!r}{hint}")
+
+
+def _shown(value: Any) -> str:
+    """``value`` as it would be written in a script: classes by name (``[Block]``)."""
+    if isinstance(value, type):
+        return value.__name__
+    if isinstance(value, list | tuple) and all(isinstance(v, type) for v in value):
+        return "[" + ", ".join(v.__name__ for v in value) + "]"
+    return repr(value)
 
 
 def check_dataset(name: str, data: Any) -> int:
