@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from fastdist.callbacks.json_log import DEFAULT_FILE_NAME
+from fastdist.loggers.json_lines import DEFAULT_FILE_NAME
 
 Record = dict[str, Any]
 # Keys of an "eval" record that are not metric values.
