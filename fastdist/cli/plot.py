@@ -1,4 +1,4 @@
-"""``python -m fastdist plot``: draw the curves of ``JSONLogCallback`` logs into one PNG.
+"""``python -m fastdist plot``: draw the curves of ``log.jsonl`` logs (``JsonLogger``) in a PNG.
 
 Each RUN is a JSON Lines log or a directory holding ``log.jsonl`` (the trainer's ``save_path``).
 The panels show the training loss against the update step and against wall time, every

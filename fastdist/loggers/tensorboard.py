@@ -50,7 +50,8 @@ class TensorBoardLogger(Logger):
         os.makedirs(log_dir, exist_ok=True)
         self.writer = SummaryWriter(
             log_dir=log_dir,
-            purge_step=run.step if run.step > 0 else None,  # a resume overwrites what came after
+            # A resume drops what a killed run wrote after its checkpoint (steps > run.step).
+            purge_step=run.step + 1 if run.step > 0 else None,
             flush_secs=self.flush_secs,
         )
         self.step = run.step
