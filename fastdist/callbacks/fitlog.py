@@ -24,5 +24,4 @@ class FitlogCallback(RunLogCallback):
         Call it on every rank (evaluate on every rank: evaluation is a collective); only
         rank 0, where the callback ran, writes.
         """
-        if self.trainer.is_master:
-            self.logger.log_test(result)
+        self.logger.log_test(result)  # writes only where fitlog was opened: rank 0

@@ -52,7 +52,8 @@ class FitlogLogger(Logger):
                 self.fitlog.add_metric(value, name=name, step=step)
 
     def log_test(self, result: dict[str, float]) -> None:
-        """Record a test-set result (``test/<key>``) after training, on rank 0."""
+        """Record a test-set result (``test/<key>``) after training (a no-op where the
+        backend was not opened: on ranks other than 0)."""
         if self.fitlog is not None:
             for key, value in result.items():
                 self.fitlog.add_best_metric(value, name=f"test/{key}")
