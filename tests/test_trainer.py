@@ -299,11 +299,11 @@ def test_fitlog_on_rank_zero_only(world: World) -> None:
     assert hypers["batch_size_per_gpu"] == BATCH and hypers["n_epochs"] == 2  # the config
     evals = world.ranks[0]["fitlog"]["evals"]
     metrics = [r["metric"] for r in _fitlog_records(log_dir / "metric.log")]
-    assert metrics == [{"dev_acc": e["acc"]} for e in evals]
+    assert [m for m in metrics if "dev/acc" in m] == [{"dev/acc": e["acc"]} for e in evals]
     best = [r["metric"] for r in _fitlog_records(log_dir / "best_metric.log")]
     test_acc = world.ranks[0]["fitlog"]["test"]["acc"]
-    assert best[-1] == {"test_acc": test_acc}  # log_test after training
-    assert {"dev_acc": max(e["acc"] for e in evals)} in best
+    assert best[-1] == {"test/acc": test_acc}  # log_test after training
+    assert {"dev/acc": max(e["acc"] for e in evals)} in best
 
 
 def test_fitlog_logs_the_reduced_loss_of_each_print_step(world: World) -> None:

@@ -18,6 +18,7 @@ from fastdist.checks import check_instance, check_list, check_writable_dir, desc
 from fastdist.data import ShardedStream, TokenBatchSampler
 from fastdist.distributed.env import get_local_rank, get_world_size, visible_gpu_count
 from fastdist.evaluation.validator import as_metric_list, resolve_metric_key
+from fastdist.loggers.backend import Logger, check_loggers
 from fastdist.losses import Loss, as_loss_fn
 from fastdist.metrics import Metric
 from fastdist.strategies import Strategy, Topology
@@ -52,6 +53,7 @@ class Arguments:
     larger_better: bool
     callbacks_all: list[Callback]
     callbacks_master: list[Callback]
+    loggers: list[Logger]
     sampler: Sampler | None
     batch_sampler: Sampler | None
     collate_fn: Callable | None
@@ -133,6 +135,7 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
         larger_better=larger_better,
         callbacks_all=callbacks[0],
         callbacks_master=callbacks[1],
+        loggers=check_loggers(given["loggers"]),
         sampler=sampler,
         batch_sampler=batch_sampler,
         collate_fn=collate_fn,

@@ -18,6 +18,7 @@ from torch import nn
 
 from fastdist.callbacks.callback import CallbackList
 from fastdist.callbacks.json_log import JSONLogCallback
+from fastdist.callbacks.run_log import RunLogCallback
 from fastdist.checkpoint import PER_RANK, Checkpointer, RandomState
 from fastdist.data import StreamBatches, TrainBatches
 from fastdist.data.feed import make_forward
@@ -38,6 +39,7 @@ from fastdist.distributed.storage import check_shared_dirs
 from fastdist.evaluation.best_model import BestModel
 from fastdist.evaluation.evaluator import Evaluator
 from fastdist.evaluation.validator import Validator
+from fastdist.loggers import JsonLogger
 from fastdist.logging import logger
 from fastdist.state import TrainerState
 from fastdist.strategies import DataShard, Strategy, Topology
@@ -247,11 +249,17 @@ def _validator(args: Arguments, strategy: Strategy, forward: Any, world: World) 
 
 
 def _callbacks(args: Arguments, is_master: bool) -> CallbackList:
-    """The callback lists; with a ``save_path``, a JSON log of the run unless one is given."""
-    master = list(args.callbacks_master)
+    """The callback lists, the loggers' component last; with a ``save_path``, a JSON log of the
+    run (``log.jsonl``) unless one is given."""
+    master, loggers = list(args.callbacks_master), list(args.loggers)
     given = args.callbacks_all + master
-    if args.options.save_path and not any(isinstance(cb, JSONLogCallback) for cb in given):
-        master.append(JSONLogCallback())  # the run's record: save_path/log.jsonl
+    has_json = any(isinstance(b, JsonLogger) for b in loggers) or any(
+        isinstance(cb, JSONLogCallback) for cb in given
+    )
+    if args.options.save_path and not has_json:
+        loggers.append(JsonLogger())  # the run's record: save_path/log.jsonl
+    if loggers:
+        master.append(RunLogCallback(loggers, state_key="loggers"))
     return CallbackList(args.callbacks_all, master, is_master, guard_master=is_distributed())
 
 

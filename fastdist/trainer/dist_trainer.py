@@ -14,6 +14,7 @@ from torch.utils.data import Dataset, Sampler
 from fastdist.callbacks.callback import Callback
 from fastdist.distributed.position import enter_on_every_rank
 from fastdist.evaluation.predict import predict as run_predict
+from fastdist.loggers import Logger
 from fastdist.strategies import Strategy, Topology
 from fastdist.trainer.build import build
 from fastdist.trainer.loop import Loop
@@ -36,6 +37,10 @@ class DistTrainer:
             update is normalised by its count over all ranks and micro-batches.
         callbacks_all: callbacks run on every rank (learning rate, clipping, early stop).
         callbacks_master: callbacks run on rank 0 only (logging, saving); no collectives.
+        loggers: where the run's record goes, beside ``log.jsonl``: backends of
+            :mod:`fastdist.loggers` (``TensorBoardLogger()``, ``MLflowLogger(...)``,
+            ``WandbLogger(...)``, ...). They run on rank 0; one that fails is named in a
+            warning and dropped, and training goes on.
         batch_size_per_gpu: micro-batch size of each process; the global batch of one update
             is ``batch_size_per_gpu * world_size * update_every`` (under tensor parallelism
             peers run the same batches: ``world_size / tp`` for ``world_size``).
@@ -180,6 +185,7 @@ class DistTrainer:
         activation_checkpointing: bool | str = False,
         strategy: str | Strategy = "ddp",
         slow_rank_threshold: float = 0.1,
+        loggers: Sequence[Logger] | None = None,
         **unknown: Any,
     ) -> None:
         given = {k: v for k, v in locals().items() if k not in ("self", "unknown")}
