@@ -20,6 +20,9 @@ Cases (tiny MLP of ``workloads.py`` unless said): ``ddp`` (batch 32), ``accumula
 ``ShardedStream``; the hand loop reads the same part), ``tokens`` (a byte model on
 ``TokenBatchSampler`` batches of random lengths, a ``(sum, count)`` loss; the hand loop divides
 by its own count) and ``fsdp`` (``fully_shard`` of the root, as fastdist does with no blocks).
+
+``--loggers`` measures each logging backend's cost per logged step instead (one process; see
+``logger_cost.py``).
 """
 
 from __future__ import annotations
@@ -327,7 +330,13 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="also print the result as JSON")
+    parser.add_argument("--loggers", action="store_true", help="each logging backend's cost")
     args = parser.parse_args()
+    if args.loggers:
+        import logger_cost
+
+        logger_cost.report(logger_cost.measure(args.rounds))
+        return
     unknown = set(args.cases.split(",")) - set(CASES)
     if unknown:
         parser.error(f"unknown case(s) {sorted(unknown)}: choose from {', '.join(CASES)}")

@@ -53,6 +53,20 @@ def test_less_peak_memory(ranks: list[dict[str, Any]], strategy: str) -> None:
         assert every < half < plain, (every, half, plain)
 
 
+def test_batchnorm_statistics_updated_once(tmp_path: Path) -> None:
+    # The recompute in backward runs BatchNorm's forward again: its running statistics must
+    # stay as the forward left them (4 micro-batches: num_batches_tracked 4, not 8).
+    args = [str(tmp_path), "batchnorm"]
+    _, ranks = run_ranks(WORKER, 2, args, tmp_path, torchrun=True, timeout=120)
+    plain, checkpointed = ranks[0]["batchnorm-False"], ranks[0]["batchnorm-True"]
+    assert plain["blocks.0.1.num_batches_tracked"] == [4]
+    assert checkpointed.keys() == plain.keys()
+    for key, value in plain.items():
+        torch.testing.assert_close(
+            torch.tensor(checkpointed[key]), torch.tensor(value), msg=key, rtol=0, atol=1e-6
+        )
+
+
 def test_model_without_blocks_is_refused() -> None:
     with pytest.raises(ValueError, match="activation_checkpointing=True checkpoints the model's"):
         make_trainer(Callback(), activation_checkpointing=True)

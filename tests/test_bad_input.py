@@ -440,13 +440,33 @@ ROWS: dict[str, Row] = {
     ),
     "flat_ddp_keyword": row(
         {"bucket_cap_mb": 50},
-        "TypeError: bucket_cap_mb is an option of fastdist.strategies.DDP | DDP(bucket_cap_mb=50)",
+        "TypeError: bucket_cap_mb= is an option of the strategy (fastdist.strategies.DDP) | "
+        "pass strategy=DDP(bucket_cap_mb=50)",
     ),
     "flat_comm_hook": row(
-        {"ddp_comm_hook": "fp16"}, "TypeError: ddp_comm_hook | strategy=DDP(comm_hook='fp16')"
+        {"ddp_comm_hook": "fp16"}, "TypeError: ddp_comm_hook= | strategy=DDP(comm_hook='fp16')"
     ),
     "flat_fsdp_wrap": row(
-        {"fsdp_wrap": [nn.Linear]}, "TypeError: fsdp_wrap | fastdist.strategies.FSDP | FSDP(wrap="
+        {"fsdp_wrap": [nn.Linear]},
+        "TypeError: fsdp_wrap= | fastdist.strategies.FSDP | pass strategy=FSDP(wrap=[Linear])",
+    ),
+    # a strategy's own option names, given to DistTrainer
+    "flat_tp": row(
+        {"tp": 2},
+        "TypeError: tp= is an option of the strategy (fastdist.strategies.FSDP), not of "
+        "DistTrainer: pass strategy=FSDP(tp=2)",
+    ),
+    "flat_tp_plan": row(
+        {"tp_plan": {"fc": "colwise"}},
+        "TypeError: tp_plan= is an option of the strategy | strategy=FSDP(tp_plan={'fc': ",
+    ),
+    "flat_wrap": row(
+        {"wrap": [nn.Linear]},
+        "TypeError: wrap= is an option of the strategy | pass strategy=FSDP(wrap=[Linear])",
+    ),
+    "flat_ddp_comm_hook_name": row(
+        {"comm_hook": "powersgd"},
+        "TypeError: comm_hook= is an option of the strategy | strategy=DDP(comm_hook='powersgd')",
     ),
     # seen at the first micro-batch, on every rank
     "loss_not_a_scalar": row(

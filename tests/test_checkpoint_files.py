@@ -14,8 +14,10 @@ import stat
 import zlib
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
+import torch
 from inprocess import make_trainer
 
 from fastdist import DistTrainer
@@ -69,7 +71,7 @@ def test_files_get_the_users_umask(tmp_path: Path) -> None:
 def test_a_fresh_start_never_deletes_earlier_checkpoints(tmp_path: Path) -> None:
     """resume=False, or a checkpoint from elsewhere, where checkpoints are is refused before
     training and changes nothing; continuing from the newest is allowed, and then the run's
-    pruning covers them."""
+    pruning covers them. (An older one: see the rollback test below.)"""
     trainer(tmp_path, checkpoint_every=2).train()
     checkpoints = tmp_path / "checkpoints"
     assert [entry["step"] for entry in manifest(checkpoints)] == [4, 6]
@@ -90,10 +92,6 @@ def test_a_fresh_start_never_deletes_earlier_checkpoints(tmp_path: Path) -> None
     elsewhere = tmp_path / "other" / "checkpoints" / "step-00000006.pt"
     with pytest.raises(FileExistsError, match=rf"which a run resumed from '{elsewhere}' would"):
         trainer(tmp_path).train(resume=str(elsewhere))
-    older = checkpoints / "step-00000004.pt"
-    newer = rf"holds checkpoints newer than '{older}' \(step-00000006.pt\)"
-    with pytest.raises(FileExistsError, match=newer):
-        trainer(tmp_path).train(resume=str(older))
     assert snapshot(checkpoints) == before
 
     continued = trainer(tmp_path, checkpoint_every=2, n_epochs=2)
@@ -192,3 +190,58 @@ def test_a_file_given_as_resume_that_is_not_a_checkpoint_is_named(tmp_path: Path
         trainer(None).train(resume=str(missing))
     with pytest.raises(ValueError, match=r"resume=True: pass 'auto', a checkpoint's path, or"):
         trainer(None).train(resume=True)
+
+
+def test_runs_sharing_save_path_in_one_second_keep_both_best_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs in one ``save_path`` (each its own checkpoint_dir) whose first best evaluation
+    falls in the same second (the clock held there): the second run's best model gets a name of
+    its own, and the first run's file keeps its bytes."""
+    monkeypatch.setattr("time.strftime", lambda *args: "2026-11-25-12-00-00")
+    trainer(tmp_path, checkpoint_dir=str(tmp_path / "a")).train()
+    name = "best_Linear_acc_2026-11-25-12-00-00"
+    kept = (tmp_path / f"{name}.pt").read_bytes()
+    trainer(tmp_path, checkpoint_dir=str(tmp_path / "b"), batch_size_per_gpu=2).train()
+    assert sorted(p.name for p in tmp_path.glob("best_*")) == [f"{name}-2.pt", f"{name}.pt"]
+    assert (tmp_path / f"{name}.pt").read_bytes() == kept
+    first_weights, second_weights = (
+        torch.load(tmp_path / f"{stem}.pt", weights_only=True) for stem in (name, f"{name}-2")
+    )
+    assert not torch.equal(first_weights["fc.weight"], second_weights["fc.weight"])
+
+
+def test_a_rollback_in_place_sets_the_newer_checkpoints_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, log_lines: list[str]
+) -> None:
+    """resume=<an older checkpoint of the directory> moves the newer ones, with their manifest
+    entries, into a sibling directory named for the time, logs where, and trains on from the
+    older one. A second rollback in the same second (the clock held there) gets a directory of
+    its own, and the checkpoints set aside resume from there."""
+    monkeypatch.setattr("time.strftime", lambda *args: "2026-11-25-12-00-00")
+    checkpoints = tmp_path / "checkpoints"
+    trainer(tmp_path, checkpoint_every=2).train()
+    asides = [tmp_path / f"checkpoints-set-aside-2026-11-25-12-00-00{n}" for n in ("", "-2")]
+    for aside in asides:
+        newest = snapshot(checkpoints)["step-00000006.pt"]
+        log_lines.clear()
+        result = trainer(tmp_path, checkpoint_every=2).train(
+            resume=checkpoints / "step-00000004.pt"
+        )
+        assert result["steps"] == 6
+        moved = (
+            f"the 1 newer checkpoint(s) of {checkpoints} (step-00000006.pt) were moved to {aside}"
+        )
+        assert any(
+            line.startswith("WARNING rolling back to") and moved in line for line in log_lines
+        )
+        assert snapshot(aside) == {"step-00000006.pt": newest, "manifest.json": ANY}
+        assert [entry["step"] for entry in manifest(aside)] == [6]
+        assert [entry["step"] for entry in manifest(checkpoints)] == [4, 6]
+    assert sorted(p.name for p in tmp_path.glob("checkpoints*")) == [
+        "checkpoints",
+        *(aside.name for aside in asides),
+    ]
+    back = trainer(None, checkpoint_dir=str(asides[0]), n_epochs=2).train()
+    assert back["steps"] == 12
+    assert any(f"resumed from {asides[0] / 'step-00000006.pt'}:" in line for line in log_lines)

@@ -84,6 +84,30 @@ def test_save_model_reloads_with_identical_logits(world: Any, strategy: str) -> 
 
 
 @pytest.mark.slow
+def test_the_save_pretrained_idiom_after_fsdp_raises_at_once_naming_save_model(
+    world: Any,
+) -> None:
+    out, ranks = world
+    fsdp = [rank["fsdp"]["save_pretrained"] for rank in ranks]
+    assert list(fsdp[1]) == ["every_rank"]  # rank 1 skipped `if rank == 0`
+    for call in [fsdp[0]["rank0"], fsdp[0]["every_rank"], fsdp[1]["every_rank"]]:
+        assert call["error"] == (
+            "RuntimeError: FSDPGPT2LMHeadModel.save_pretrained() cannot gather the weights FSDP "
+            "sharded over the ranks (a collective: under `if rank == 0` it would wait for the "
+            'other ranks forever): call trainer.save_model(dir, format="hf") on every rank '
+            "instead; rank 0 writes the folder save_pretrained would"
+        )
+        assert call["seconds"] < 1
+    assert not list((out / "fsdp").glob("save_pretrained_*"))  # nothing half-written
+    # Under DDP the model is the user's own: the idiom works, with the trained weights.
+    ddp = ranks[0]["ddp"]["save_pretrained"]["rank0"]
+    assert ddp["error"] is None
+    model = GPT2.from_pretrained(out / "ddp" / "save_pretrained_rank0")
+    with torch.no_grad():
+        assert torch.equal(model(probe()).logits, torch.load(out / "ddp" / "logits.pt"))
+
+
+@pytest.mark.slow
 def test_fsdp_trains_the_model_ddp_trains(world: Any) -> None:
     out, ranks = world
     ddp, fsdp = (torch.load(out / s / "model.pt", weights_only=True) for s in ("ddp", "fsdp"))
@@ -291,3 +315,48 @@ def test_export_explains_what_it_cannot_read(
     assert safetensors_torch.load_file(tmp_path / "p.safetensors")["w"].tolist() == [1.0, 1.0]
     assert main(["export", str(tmp_path / "plain.pt"), str(tmp_path / "plain.pt")]) == 1
     assert "is the checkpoint itself" in capsys.readouterr().err
+
+
+@pytest.fixture
+def umask_027() -> Any:
+    previous = os.umask(0o027)  # group may read, others nothing: not safetensors' 0o600
+    yield
+    os.umask(previous)
+
+
+def modes(folder: Path) -> dict[str, int]:
+    """The permission bits of every file under ``folder``, by path relative to it."""
+    return {
+        str(p.relative_to(folder)): p.stat().st_mode & 0o777
+        for p in folder.rglob("*")
+        if p.is_file()
+    }
+
+
+def test_safetensors_files_honour_the_umask(
+    no_dist_env: None, umask_027: None, tmp_path: Path
+) -> None:
+    model = GPT2(tiny_config())
+    trainer = DistTrainer(
+        lm_data(4),
+        model,
+        dev_data=lm_data(2, seed=1),
+        metrics=LossMetric(target="labels"),
+        metric_key="-loss",
+        save_path=str(tmp_path / "save"),
+        best_model_format="hf",
+        device="cpu",
+        use_tqdm=False,
+    )
+    trainer.train(resume=False)  # the best model: a save_pretrained folder
+    trainer.save_model(tmp_path / "out" / "m.safetensors", format="safetensors")
+    trainer.save_model(tmp_path / "out" / "hf", format="hf")
+    checkpoints = str(tmp_path / "save" / "checkpoints")
+    assert main(["export", checkpoints, str(tmp_path / "out" / "e.safetensors")]) == 0
+    make_trainer(Callback(), save_path=str(tmp_path / "st"), best_model_format="safetensors").train(
+        resume=False
+    )
+    files = {**modes(tmp_path / "out"), **modes(tmp_path / "save"), **modes(tmp_path / "st")}
+    # save_model's file and folder, export's file, the best models of both formats
+    assert len([name for name in files if name.endswith(".safetensors")]) == 5
+    assert {name: mode for name, mode in files.items() if mode != 0o640} == {}

@@ -107,8 +107,9 @@ def test_a_train_record_per_logged_loss(run: Run) -> None:
         assert round(record["loss"], 4) == pytest.approx(loss, abs=1e-4)
         assert record["lr"] == pytest.approx(0.1)
         assert record["samples_per_s"] > 0
-        keys = {"kind", "step", "epoch", "loss", "lr", "time", "samples_per_s", "ranks"}
-        assert set(record) == keys
+        assert record["memory_mb"] > 0
+        keys = {"kind", "step", "epoch", "loss", "lr", "time", "samples_per_s", "memory_mb"}
+        assert set(record) == keys | {"ranks"}
         assert [r["rank"] for r in record["ranks"]] == list(range(run.size))
 
 
@@ -133,7 +134,7 @@ def test_runs_are_appended_and_the_file_closed(tmp_path: Path) -> None:
     callback = JSONLogCallback(path)
     for _ in range(2):
         make_trainer(callback).train()
-        assert callback.file is None, "closed at train end"
+        assert callback.logger.file is None, "closed at train end"
     kinds = [r["kind"] for r in read_records(path)]
     one_run = ["start", "train", "train", "train", "eval", "end"]  # steps 2, 4, 6; eval at 6
     assert kinds == one_run + one_run
@@ -147,7 +148,6 @@ def test_default_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert read_records(tmp_path / "log.jsonl")[0]["kind"] == "start"
     callback = JSONLogCallback()
     make_trainer(callback, save_path=str(tmp_path / "save")).train()
-    assert callback.resolve_path() == str(tmp_path / "save" / "log.jsonl")
     assert read_records(tmp_path / "save" / "log.jsonl")[-1]["kind"] == "end"
 
 
@@ -164,7 +164,7 @@ def test_a_failing_run_is_recorded_and_closed(tmp_path: Path) -> None:
     callback = JSONLogCallback(tmp_path / "log.jsonl")
     with pytest.raises(RuntimeError, match="deliberate failure"):
         make_trainer(callback, loss=loss).train()
-    assert callback.file is None
+    assert callback.logger.file is None
     records = read_records(tmp_path / "log.jsonl")
     assert [r["kind"] for r in records] == ["start", "train", "train", "exception"]
     assert records[-1]["error"] == "RuntimeError: deliberate failure"

@@ -24,7 +24,7 @@ LAYERS = [
         "fastdist.seed",
         "fastdist.state",
     ],
-    ["fastdist.data", "fastdist.checkpoint", "fastdist.callbacks"],
+    ["fastdist.data", "fastdist.checkpoint", "fastdist.callbacks", "fastdist.loggers"],
     ["fastdist.strategies"],
     ["fastdist.evaluation", "fastdist.estimate"],
     ["fastdist.trainer"],

@@ -30,7 +30,9 @@ else:
 pytestmark = pytest.mark.slow
 
 N_SAMPLES = 72  # launcher_worker trains resume_worker's "plain" config: 72 samples, 2 epochs
-KILL_AT = 6  # rank 1 dies after update 6 of the first attempt; the checkpoint before it: 4
+# Rank 1 dies at update 5 of the first attempt, milliseconds after the report of checkpoint 4,
+# which Ray registers too late: the restart must find it in the run's storage.
+KILL_AT = 5
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +110,8 @@ def test_a_worker_killed_mid_run_is_restarted_by_ray_and_ends_as_an_uninterrupte
     assert report["error"] is None, report["output"]
     first, second = [record(tmp_path, 0, 0), record(tmp_path, 1, 0)]
     assert first["save_path"] != second["save_path"]  # a fresh node: nothing on its disk
-    # The restart resumed from the checkpoint Ray kept (update 4), mid-epoch, and ended as
-    # torchrun's uninterrupted run does, bit for bit.
+    # The restart resumed from checkpoint 4, found in the run's storage though Ray had not
+    # registered it, mid-epoch, and ended as torchrun's uninterrupted run does, bit for bit.
     assert [u["step"] for u in updates(tmp_path, 1, 0)][0] == 5
     for rank in (0, 1):
         restarted = record(tmp_path, 1, rank)
@@ -129,8 +131,9 @@ def test_a_worker_killed_mid_run_is_restarted_by_ray_and_ends_as_an_uninterrupte
             }
         )
         assert restarted["master_probe_ran"] is (rank == 0)
-    # Every checkpoint reached Ray with its metrics, the first attempt's included.
-    assert [m["step"] for m in report["reported"]] == [4, 8, 9, 12, 16, 18]
+    # Every later checkpoint reached Ray with its metrics (4 did only if Ray registered it
+    # before the worker died).
+    assert [m["step"] for m in report["reported"] if m["step"] > 4] == [8, 9, 12, 16, 18]
     assert report["metrics"]["step"] == 18 and report["metrics"]["epoch"] == 2
     assert report["metrics"]["loss"] > 0
     assert report["checkpoint_files"] == ["manifest.json", "step-00000018.pt"]

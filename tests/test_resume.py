@@ -375,24 +375,34 @@ def test_checkpoint_files_are_judged_alike_on_every_rank(straight: Path, tmp_pat
 
 
 @pytest.mark.parametrize(
-    "config, sigterm_rank",
+    "config, sigterm_rank, again",
     [
-        pytest.param("plain", "1", id="sigterm-one-rank"),
+        pytest.param("plain", "1", False, id="sigterm-one-rank"),
         # LRSchedulerCallback(interval="epoch"): its state must not count the pre-empted,
         # unfinished epoch as ended.
-        pytest.param("epoch-lr", "all", id="sigterm-all-ranks-epoch-scheduler"),
+        pytest.param("epoch-lr", "all", False, id="sigterm-all-ranks-epoch-scheduler"),
+        # A second SIGTERM to rank 0 while it writes a checkpoint that takes 2 s: the write
+        # goes on, and rank 1 waits for it.
+        pytest.param("plain", "1", True, id="sigterm-again-during-a-slow-checkpoint"),
     ],
 )
 def test_sigterm_preempts_with_a_checkpoint_and_resumes_exactly(
-    straight: Path, tmp_path: Path, config: str, sigterm_rank: str
+    straight: Path, tmp_path: Path, config: str, sigterm_rank: str, again: bool
 ) -> None:
-    """SIGTERM after update 3 (print_every=2): the ranks agree at update 4, rank 0 writes a
-    checkpoint there and every rank exits with 143; the same command then completes."""
+    """SIGTERM after update 3 (print_every=2): the ranks agree at update 4, say so once, rank 0
+    writes a checkpoint there, rank 1 logs what rank 0 wrote (after the write: it learns it from
+    rank 0), and every rank exits with 143; the same command then completes."""
     sigterm = ["--sigterm-at", "3", "--sigterm-rank", sigterm_rank, "--checkpoint-every", "0"]
-    first = launch(tmp_path, config, "first", *sigterm, check=False)
+    first = launch(tmp_path, config, "first", *sigterm, *(["--sigterm-again"] * again), check=False)
     assert first.returncode != 0, first.describe()
-    assert "pre-empted: checkpoint written at step 4" in first.output, first.describe()
-    assert re.search(r"exitcode\s*:\s*143\b", first.output), first.describe()
+    output = first.output
+    assert output.count("SIGTERM received; stopping at step 4") == 1, first.describe()
+    written = output.find("[rank 0] pre-empted: checkpoint written at step 4: ")
+    path = checkpoint_path(tmp_path, config, 4)
+    told = output.find(f"[rank 1] pre-empted at step 4: rank 0 wrote the checkpoint {path}")
+    assert 0 <= written < told, first.describe()
+    # torchrun's summary: one "exitcode  : N (pid: P)" per rank
+    assert re.findall(r"exitcode\s+:\s*(-?\d+)", output) == ["143"] * SIZE, first.describe()
     for rank in range(SIZE):
         assert rank_result(tmp_path, config, "first", rank) == {"exit_code": 143, "step": 4}
     assert manifest_steps(tmp_path, config) == [4], "only the pre-emption checkpoint"

@@ -22,7 +22,7 @@ import torch
 from launch import REPO_ROOT, TESTS_DIR, TORCHRUN_VARS, free_port
 
 from fastdist import DistTrainer
-from fastdist.distributed.slurm import job_to_requeue, requeue_signal
+from fastdist.distributed.slurm import job_to_requeue, requeue_signal, torchrun_env_from_slurm
 from fastdist.trainer.preemption import SigtermFlag
 
 WORKER = TESTS_DIR / "workers" / "launcher_worker.py"
@@ -110,6 +110,56 @@ def test_the_requeue_signal_sets_no_deadline_and_a_later_watch_times_sigterm_aga
         os.kill(os.getpid(), signal.SIGTERM)
         assert flag._deadline is not None and flag._deadline.is_alive()
     assert flag._deadline is None  # settled when training ends
+
+
+TASK = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[3-4]"}
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (
+            {"SLURM_NTASKS": "abc", "SLURM_PROCID": "0"},
+            "SLURM_NTASKS='abc' is not an integer >= 1: it is SLURM's, so start the tasks with "
+            "srun (which sets it), or unset SLURM_NTASKS when not under SLURM",
+        ),
+        (
+            {"SLURM_NTASKS": "2", "SLURM_PROCID": "-1"},
+            "SLURM_PROCID='-1' is not an integer >= 0",
+        ),
+        (
+            {"SLURM_NTASKS": "2", "SLURM_PROCID": "2"},
+            "SLURM_PROCID=2 but SLURM_NTASKS=2: a task's SLURM_PROCID must be below "
+            "SLURM_NTASKS; start every task with one srun (srun -n 3 or more)",
+        ),
+        (
+            {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_JOB_NODELIST": None},
+            "SLURM_JOB_NODELIST is not set, so the address of task 0 is unknown: start the "
+            "tasks with srun inside a job (which sets it), or set MASTER_ADDR to task 0's host",
+        ),
+    ],
+)
+def test_slurm_variables_that_cannot_say_the_ranks_are_one_clear_error(
+    given: dict[str, str | None], message: str
+) -> None:
+    env = {k: v for k, v in (TASK | given).items() if v is not None}
+    with pytest.raises(ValueError) as raised:
+        torchrun_env_from_slurm(env)
+    assert str(raised.value).startswith(message)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_task_beyond_slurm_ntasks_fails_at_import_at_once(tmp_path: Path) -> None:
+    """Before, it waited for peers that never come and failed with a generic error."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env |= TASK | {"SLURM_NTASKS": "2", "SLURM_PROCID": "2", "PYTHONPATH": str(REPO_ROOT)}
+    script = "import fastdist, torch; fastdist.DistTrainer([(torch.zeros(2), 0)] * 4, torch.nn.Linear(2, 2))"  # noqa: E501
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: SLURM_PROCID=2 but SLURM_NTASKS=2"), done.stderr
 
 
 def test_an_array_task_is_requeued_by_its_array_id() -> None:

@@ -112,8 +112,8 @@ def test_one_gradient_all_reduce_per_update(launch: Callable[[str], World]) -> N
     """update_every=4: DDP's comm hook runs once per bucket per update, never in no_sync.
 
     No other all-reduce runs during training (print_every exceeds the number of updates, no
-    evaluation, no checkpoints), not even at epoch ends; one checks the losses and the weights
-    after the last epoch.
+    evaluation, no checkpoints), not even at epoch ends, but the signal checks after updates 2
+    and 4 (4 numbers each); one checks the losses and the weights after the last epoch.
     """
     for rank, comm in launch("torchrun-2").case("comm"):
         plain, acc = comm["plain"], comm["accumulate"]
@@ -128,13 +128,16 @@ def test_one_gradient_all_reduce_per_update(launch: Callable[[str], World]) -> N
         updates = [mb["update"] for mb in acc["micro_batches"]]
         assert updates == [False, False, False, True, False, True] * 2, f"rank {rank}"
         assert acc["steps"] == updates.count(True) == 4
+        step = 0
         for i, mb in enumerate(acc["micro_batches"]):
+            step += mb["update"]
             assert mb["hook_calls"] == (buckets if mb["update"] else 0), f"rank {rank} mb {i}"
-            assert mb["other_all_reduces"] == 0, f"rank {rank} mb {i}: {mb}"
+            checks = int(mb["update"] and step in (2, 4))
+            assert mb["other_all_reduces"] == checks, f"rank {rank} mb {i}: {mb}"
         assert acc["hook_calls"] == acc["steps"] * buckets
         assert acc["hook_all_reduces"] == acc["hook_calls"], "one all_reduce per hook call"
         assert acc["epoch_end"] == [0, 0], "no all-reduce at epoch ends"
-        assert acc["other_all_reduces"] == 1, "one all-reduce after training, none elsewhere"
+        assert acc["other_all_reduces"] == 1 + 2, "after training, and the 2 signal checks"
 
 
 def test_one_process_makes_no_all_reduce(launch: Callable[[str], World]) -> None:
@@ -198,14 +201,19 @@ def expected_hooks(n_micro: int, update_every: int, n_epochs: int) -> list[str]:
 
 
 def test_callback_order(world: World) -> None:
-    """callbacks_all on every rank, callbacks_master on rank 0 after them, hooks in order."""
+    """callbacks_all on every rank, callbacks_master on rank 0 after them, hooks in order; an
+    EchoCallback (fastNLP's: hooks answered by ``__getattribute__``) is called on every hook,
+    on the ranks of its list, and so is on_exception when training fails."""
     # 48 samples, update_every 2, 2 epochs: 3 micro-batches per rank on 2 ranks (a short last
     # window), 6 on one.
     hooks = expected_hooks(48 // world.size // BATCH, update_every=2, n_epochs=2)
     for rank, got in world.case("hooks"):
-        tags = ["all-a", "all-b"] + (["master"] if rank == 0 else [])
+        tags = ["all-a", "all-b", "all-echo"] + (["master", "master-echo"] if rank == 0 else [])
         expected = [[hook, tag] for hook in hooks for tag in tags]
         assert got["log"] == expected, f"rank {rank}"
+        failed = [["on_train_begin", "all-echo"], ["on_exception", "all-echo"]]
+        failed += [["on_exception", "master-echo"]] if rank == 0 else []
+        assert got["failed"] == failed, f"rank {rank}"
 
 
 def test_stop_requested_on_rank_zero_only(world: World) -> None:
@@ -227,6 +235,14 @@ def test_early_stop_callback(world: World) -> None:
     assert end["epoch"] == 1 + runs[0]["patience"]
     assert result["steps"] == end["global_step"] == 3 * steps_per_epoch
     assert (result["best_epoch"], result["best_step"]) == (1, steps_per_epoch)
+
+
+def test_a_stop_is_logged_once(world: World) -> None:
+    """Each stop of the stop case (a request, then early stopping) is logged once, by rank 0,
+    not again at the syncs after it (the end of training's)."""
+    early = world.ranks[0]["stop"]["early_stop"]["result"]["steps"]
+    stops = re.findall(r"stop requested; stopping at step (\d+)", world.result.output)
+    assert stops == ["6", str(early)], world.result.describe()
 
 
 @pytest.mark.parametrize("mode", ["file", "memory"])
@@ -283,11 +299,11 @@ def test_fitlog_on_rank_zero_only(world: World) -> None:
     assert hypers["batch_size_per_gpu"] == BATCH and hypers["n_epochs"] == 2  # the config
     evals = world.ranks[0]["fitlog"]["evals"]
     metrics = [r["metric"] for r in _fitlog_records(log_dir / "metric.log")]
-    assert metrics == [{"dev_acc": e["acc"]} for e in evals]
+    assert [m for m in metrics if "dev/acc" in m] == [{"dev/acc": e["acc"]} for e in evals]
     best = [r["metric"] for r in _fitlog_records(log_dir / "best_metric.log")]
     test_acc = world.ranks[0]["fitlog"]["test"]["acc"]
-    assert best[-1] == {"test_acc": test_acc}  # log_test after training
-    assert {"dev_acc": max(e["acc"] for e in evals)} in best
+    assert best[-1] == {"test/acc": test_acc}  # log_test after training
+    assert {"dev/acc": max(e["acc"] for e in evals)} in best
 
 
 def test_fitlog_logs_the_reduced_loss_of_each_print_step(world: World) -> None:

@@ -7,6 +7,7 @@ from fastdist.callbacks.gradient_clip import GradientClipCallback
 from fastdist.callbacks.json_log import JSONLogCallback
 from fastdist.callbacks.lr_scheduler import LRSchedulerCallback
 from fastdist.callbacks.profiler import ProfilerCallback
+from fastdist.callbacks.run_log import RunLogCallback
 from fastdist.callbacks.tensorboard import TensorBoardCallback
 from fastdist.callbacks.warmup import WarmupCallback
 
@@ -19,6 +20,7 @@ __all__ = [
     "JSONLogCallback",
     "LRSchedulerCallback",
     "ProfilerCallback",
+    "RunLogCallback",
     "TensorBoardCallback",
     "WarmupCallback",
 ]

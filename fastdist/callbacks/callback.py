@@ -130,7 +130,8 @@ class CallbackList:
     """Runs ``callbacks_all`` on every rank, then ``callbacks_master`` on rank 0 only.
 
     With ``guard_master``, a ``callbacks_master`` hook that calls a collective raises at once
-    instead of hanging the job. Hooks a callback does not override are skipped.
+    instead of hanging the job. Hooks a callback does not override are skipped, unless its
+    class defines ``__getattribute__`` or ``__getattr__`` (see :func:`answers`).
 
     It is the checkpoint part of the callbacks' states, keyed by :attr:`Callback.state_key`:
     adding or removing a callback between two runs never blocks a resume.
@@ -156,9 +157,9 @@ class CallbackList:
         self.callbacks = [cb for cb, _ in active]
         self.hooks = {
             hook: [
-                (getattr(cb, hook), f"{type(cb).__name__}.{hook}", guarded)
+                (cb, f"{type(cb).__name__}.{hook}", guarded)
                 for cb, guarded in active
-                if getattr(type(cb), hook) is not getattr(Callback, hook)
+                if answers(cb, hook)
             ]
             for hook in HOOKS
         }
@@ -197,13 +198,13 @@ class CallbackList:
             cb.trainer = trainer
 
     def _call(self, hook: str, *args: Any) -> None:
-        for method, where, guarded in self.hooks[hook]:
+        for cb, where, guarded in self.hooks[hook]:
             self.current = where
             if guarded:
                 with no_collectives(f"callbacks_master hook {where}"):
-                    method(*args)
+                    getattr(cb, hook)(*args)
             else:
-                method(*args)
+                getattr(cb, hook)(*args)
         self.current = None
 
     def on_train_begin(self) -> None:
@@ -244,6 +245,15 @@ class CallbackList:
 
     def on_exception(self, exception: BaseException) -> None:
         self._call("on_exception", exception)
+
+
+def answers(cb: Callback, hook: str) -> bool:
+    """Whether ``cb`` takes part in ``hook``: it overrides it, or its class looks attributes up
+    itself (``__getattribute__`` or ``__getattr__``, as fastNLP's ``EchoCallback``), so that
+    any hook may answer; such a callback is asked for the hook at every call."""
+    cls = type(cb)
+    dynamic = cls.__getattribute__ is not object.__getattribute__ or hasattr(cls, "__getattr__")
+    return dynamic or getattr(cls, hook) is not getattr(Callback, hook)
 
 
 def state_keys(callbacks: Sequence[Callback], name: str) -> dict[str, Callback]:

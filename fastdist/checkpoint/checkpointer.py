@@ -19,16 +19,19 @@ one into the directory before an ``"auto"`` resume.
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from fastdist.checkpoint.files import SHARDED_REST, CheckpointDir, atomic_save
 from fastdist.checkpoint.format1 import upgrade
 from fastdist.checkpoint.resume import choose
 from fastdist.checkpoint.sharded import load_shards, publish, write_shards
-from fastdist.distributed import gather_object, get_rank, get_world_size
+from fastdist.distributed import all_gather_object, gather_object, get_rank, get_world_size
 from fastdist.logging import logger
 
+T = TypeVar("T")
 REPLICATED, PER_RANK, SHARDED = "replicated", "per_rank", "sharded"
 #: The layout this module writes: {"format", "world_size", "parts", "per_rank", "sharded"}
 #: (the names of the parts in the DCP shards).
@@ -124,11 +127,11 @@ class Checkpointer:
                 "sharded": [p.name for p in self._scoped(SHARDED)],
             }
         sharded = {p.name: p.obj.state_dict() for p in self._scoped(SHARDED)}
-        path = None
+        directory, path = self.dir, None
         if sharded:
             path = self._save_sharded(sharded, content, step)
-        elif self.rank == 0:
-            path = self.dir.save(content, step)
+        else:
+            path = self._agreed(lambda: directory.save(content, step) if self.rank == 0 else None)
         if self.rank == 0:
             logger.info("checkpoint written: %s", path)
         mine = path if self.rank == 0 else None
@@ -148,8 +151,15 @@ class Checkpointer:
         tmp = os.path.join(self.dir.directory, f".tmp-step-{step:08d}")
         master = self.rank == 0
         written = write_shards(sharded, tmp, master, self.group)
-        if master:
-            written[SHARDED_REST] = atomic_save(content, os.path.join(tmp, SHARDED_REST))
+        rest = os.path.join(tmp, SHARDED_REST)
+        try:
+            checksum = self._agreed(lambda: atomic_save(content, rest) if master else None)
+        except OSError:
+            if master:  # the shards written meanwhile: nothing names them
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if checksum is not None:
+            written[SHARDED_REST] = checksum
         ranks = gather_object(written, self.group)
         if ranks is None:
             return path
@@ -157,6 +167,19 @@ class Checkpointer:
         publish(tmp, path)
         self.dir.record(path, files[SHARDED_REST], step, files)
         return path
+
+    def _agreed(self, write: Callable[[], T]) -> T:
+        """``write()`` on this rank, then a collective: if it failed on any rank (a full disk
+        on rank 0), every rank raises that rank's ``OSError``, with its message."""
+        error = None
+        try:
+            result = write()
+        except OSError as exc:
+            error = str(exc)
+        failed = next((e for e in all_gather_object(error, self.group) if e is not None), None)
+        if failed is not None:
+            raise OSError(failed)
+        return result
 
     def restore(self, resume: bool | str | os.PathLike) -> Resumed | None:
         """Restore every part from the checkpoint ``train(resume=...)`` asks for (a collective):

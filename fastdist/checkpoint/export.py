@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import shutil
 import uuid
 import warnings
@@ -30,13 +31,17 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fastdist.checkpoint.files import (
+    MANIFEST,
     CheckpointDir,
     atomic_file,
     atomic_save,
+    expected_checksums,
     fsync_dir,
     load_checkpoint,
+    new_file_mode,
 )
 from fastdist.checkpoint.format1 import upgrade
+from fastdist.checkpoint.resume import Candidate, listed, unverified
 from fastdist.checks import check_choice, check_writable_dir, describe
 from fastdist.logging import logger
 
@@ -98,8 +103,8 @@ def write_model(
         atomic_save(weights, path)
     elif format == "safetensors":
         tensors = _unshared(weights)
-        with atomic_file(path) as f:  # safetensors writes the temp file by its name
-            _safetensors("format").save_file(tensors, f.name, metadata={"format": "pt"})
+        with atomic_file(path) as f:  # save_file would replace it by a file of mode 0o600
+            f.write(_safetensors("format").save(tensors, metadata={"format": "pt"}))
     else:
         assert model is not None
         _write_folder(model, weights, path)
@@ -117,36 +122,31 @@ def read_model(path: str, cls: type[nn.Module]) -> dict[str, Any]:
 
 def export_checkpoint(checkpoint: str, out: str, format: str) -> str:
     """Write the model of ``checkpoint`` (see :func:`checkpoint_weights`) to the file ``out``
-    in ``format`` (``"torch"`` or ``"safetensors"``); return the checkpoint it came from."""
+    in ``format`` (``"torch"`` or ``"safetensors"``); return the checkpoint it came from.
+    ``out`` may not lie in the checkpoint directory (links resolved): it would replace a
+    checkpoint's file or the manifest."""
     check_choice("format", format, FORMATS[:2])
     if format == "safetensors":
         _safetensors("format")
     check_target("OUT", out, format)
+    _check_outside(out, checkpoint)
     weights, source = checkpoint_weights(checkpoint)
-    if os.path.abspath(out) == os.path.abspath(source):
-        raise ValueError(f"the output {out!r} is the checkpoint itself: pass another path")
     write_model(weights, out, format)
     return source
 
 
 def checkpoint_weights(path: str) -> tuple[dict[str, Any], str]:
     """The whole model's ``state_dict`` in the checkpoint at ``path``, read offline (no
-    process group), and the checkpoint's path.
+    process group), and the checkpoint's path; its checksums verified as a resume verifies
+    them.
 
     ``path`` is a checkpoint file (``step-*.pt``, of any format fastdist wrote), a sharded
     checkpoint's directory (DCP shards: only the model's are read, not the optimizer's), a
-    checkpoint directory (the newest checkpoint its ``manifest.json`` lists) or a plain
-    ``state_dict`` file (a best model).
+    checkpoint directory (the newest checkpoint its ``manifest.json`` lists that verifies) or
+    a plain ``state_dict`` file (a best model).
     """
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, ".metadata")):
-        entries = CheckpointDir(path, keep=1).entries()
-        if not entries:
-            raise ValueError(
-                f"{path} is neither a checkpoint nor a checkpoint directory whose "
-                "manifest.json lists some: pass a step-* file or directory"
-            )
-        path = os.path.join(path, entries[-1]["file"])
-    saved = load_checkpoint(path)  # weights_only; a sharded one's trainer.pt
+    path = _verified(path)
+    saved = _load(path)  # weights_only; a sharded one's trainer.pt
     if "parts" not in saved and saved.get("format") != 1:
         if all(isinstance(v, torch.Tensor) for v in saved.values()):
             return saved, path  # a state_dict already
@@ -162,11 +162,82 @@ def checkpoint_weights(path: str) -> tuple[dict[str, Any], str]:
     raise ValueError(f"{path} holds no model")
 
 
+def _is_checkpoint_dir(path: str) -> bool:
+    """Whether ``path`` is a directory of checkpoints (not a sharded checkpoint itself)."""
+    return os.path.isdir(path) and not os.path.exists(os.path.join(path, ".metadata"))
+
+
+def _check_outside(out: str, checkpoint: str) -> None:
+    """Refuse an ``out`` that is ``checkpoint`` or lies in it (a directory), or in the
+    checkpoint directory whose manifest lists it: it would replace a checkpoint's file."""
+    checkpoint = os.path.abspath(checkpoint)
+    homes = [os.path.dirname(checkpoint), checkpoint]
+    homes = [home for home in homes if os.path.isfile(os.path.join(home, MANIFEST))]
+    if not _is_checkpoint_dir(checkpoint):  # a file, a sharded checkpoint
+        homes.append(checkpoint)
+    target = os.path.realpath(out)
+    for home in map(os.path.realpath, homes):
+        if target == home:
+            raise ValueError(f"the output {out!r} is the checkpoint itself: pass another path")
+        if os.path.commonpath([target, home]) == home:
+            raise ValueError(
+                f"OUT={out!r} lies in the checkpoint directory {home!r} (links resolved), "
+                "where it would replace a checkpoint's file or the manifest: pass a path "
+                "outside it"
+            )
+
+
+def _verified(path: str) -> str:
+    """The checkpoint ``path`` names, its files checked against the manifest's CRC-32 (those
+    of a file no manifest lists: none); of a checkpoint directory, the newest that verifies."""
+    if not _is_checkpoint_dir(path):
+        problem = unverified(listed(path))
+        if problem is not None:
+            raise ValueError(f"{path} cannot be exported: {problem}; pass another checkpoint")
+        return path
+    entries = CheckpointDir(path, keep=1).entries()
+    if not entries:
+        raise ValueError(
+            f"{path} is neither a checkpoint nor a checkpoint directory whose "
+            "manifest.json lists some: pass a step-* file or directory"
+        )
+    for entry in reversed(entries):
+        candidate = Candidate(os.path.join(path, entry["file"]), expected_checksums(path, entry))
+        problem = unverified(candidate)
+        if problem is None:
+            return candidate.path
+        logger.warning("skipping checkpoint %s: %s", candidate.path, problem)
+    raise ValueError(f"{path}: no checkpoint its manifest.json lists verifies (see above)")
+
+
+def _load(path: str) -> dict[str, Any]:
+    """:func:`load_checkpoint`, with what torch cannot read as a one-line error naming it."""
+    try:
+        return load_checkpoint(path)
+    except (OSError, ValueError):  # a missing file, an incomplete sharded one: named already
+        raise
+    except Exception as exc:  # a text file, a truncated one: torch's words vary and advise
+        # weights_only=False for what it cannot unpickle, which fastdist never needs
+        detail = f"{type(exc).__name__}: {_first_line(exc)}"
+        if isinstance(exc, pickle.UnpicklingError):
+            detail = "no torch.save file of tensors and plain data"
+        raise ValueError(
+            f"{path} is not a checkpoint: torch.load cannot read it ({detail}); pass a step-* "
+            "file or directory fastdist wrote, or a checkpoint directory"
+        ) from exc
+
+
+def _first_line(exc: Exception) -> str:
+    line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return line if len(line) <= 100 else line[:97] + "..."
+
+
 def _sharded_model(path: str) -> dict[str, torch.Tensor]:
     """The model part of the DCP checkpoint ``path``, whole, read in one process: tensors
     shaped as its metadata says, filled in place by ``dcp.load`` (which reassembles the
     shards of any number of ranks). The optimizer's shards are not read."""
     metadata = FileSystemReader(path).read_metadata()
+    _check_shard_sizes(path, metadata)
     model = {}
     for key, meta in metadata.state_dict_metadata.items():
         part, *name = metadata.planner_data[key]  # the nested path: ("model", "fc.weight")
@@ -179,6 +250,23 @@ def _sharded_model(path: str) -> dict[str, torch.Tensor]:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"model": model}, checkpoint_id=path, no_dist=True)
     return model
+
+
+def _check_shard_sizes(path: str, metadata: Any) -> None:
+    """Raise, naming the file, if a shard is shorter than the DCP ``metadata`` of ``path``
+    says (cut short: DCP's own error names no file)."""
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        shard = os.path.join(path, name)
+        held = os.path.getsize(shard) if os.path.isfile(shard) else 0
+        if held < size:
+            raise ValueError(
+                f"{shard} is truncated or missing: {held} bytes where the checkpoint's "
+                f"metadata needs {size}; export an earlier checkpoint of its directory"
+            )
 
 
 def _safetensors(name: str) -> Any:
@@ -221,7 +309,9 @@ def _write_folder(model: nn.Module, weights: dict[str, Any], path: str) -> None:
     try:
         # With the full weights given it reads none from the (maybe sharded) model.
         model.save_pretrained(tmp, state_dict=weights)  # type: ignore[operator]
+        mode = new_file_mode(tmp)  # safetensors makes its files 0o600
         for file in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, file), mode)
             with open(os.path.join(tmp, file), "rb") as f:
                 os.fsync(f.fileno())
         fsync_dir(tmp)

@@ -19,10 +19,13 @@ verifies the checksums and uses ``torch.load(weights_only=True)``, which refuses
 from __future__ import annotations
 
 import contextlib
+import errno
+import itertools
 import json
 import os
 import re
 import shutil
+import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -58,6 +61,34 @@ def atomic_file(path: str) -> Iterator[IO[bytes]]:
     fsync_dir(directory)
 
 
+def new_file_mode(directory: str) -> int:
+    """The permission bits a file created in ``directory`` gets (0o666 less the umask, or as
+    the directory's default ACL says), found by creating one: reading the umask would mean
+    setting it, process-wide."""
+    probe = os.path.join(directory, f".tmp-{uuid.uuid4().hex}-mode")
+    with open(probe, "xb") as f:
+        mode = os.fstat(f.fileno()).st_mode & 0o777
+    os.unlink(probe)
+    return mode
+
+
+def claim_new(stem: str, suffix: str = "", folder: bool = False) -> str:
+    """Create the empty file (or ``folder``) ``stem + suffix``, else ``stem-2 + suffix``,
+    ``stem-3``...: the first name no one holds, created exclusively (two processes claiming
+    at once get two names). Return its path."""
+    for n in itertools.count(1):
+        path = stem + ("" if n == 1 else f"-{n}") + suffix
+        try:
+            if folder:
+                os.mkdir(path)
+            else:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return path
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
 def fsync_dir(directory: str) -> None:
     """Make a rename inside ``directory`` durable (before anything names its result)."""
     dir_fd = os.open(directory, os.O_RDONLY)
@@ -75,11 +106,44 @@ def atomic_save(obj: Any, path: str) -> int:
     catches truncation and corruption at GB/s, where sha256 would double the cost (measured
     with benchmarks/checkpoint.py).
     """
-    with atomic_file(path) as f:
-        torch.save(obj, f)
-        f.flush()
-        checksum = crc32(f.name)
+    try:
+        with atomic_file(path) as f:
+            torch.save(obj, f)
+            f.flush()
+            checksum = crc32(f.name)
+    except (OSError, RuntimeError) as exc:  # a full disk: torch says "unexpected pos ..."
+        raise OSError(_write_failure(path, _tensor_bytes(obj), exc)) from exc
     return checksum
+
+
+def _write_failure(path: str, size: int, exc: BaseException) -> str:
+    """Why writing ``size`` bytes of tensors to ``path`` failed, in one line (its temp file is
+    gone already): no space, if less is free than it needs, else ``exc``'s own words."""
+    usage = shutil.disk_usage(os.path.dirname(os.path.abspath(path)))
+    if usage.free < size or getattr(exc, "errno", None) == errno.ENOSPC:
+        cause = f"no space left on its filesystem ({_mib(usage.free)} free)"
+    else:
+        cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+    return (
+        f"could not write the checkpoint {path} (about {_mib(size)} of tensors): {cause}; free "
+        "space or use another save_path/checkpoint_dir, then train(resume='auto') continues "
+        "from the newest intact checkpoint"
+    )
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in ``obj`` (dicts, lists and tuples searched)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(map(_tensor_bytes, obj.values()))
+    if isinstance(obj, (list, tuple)):
+        return sum(map(_tensor_bytes, obj))
+    return 0
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.2f} MiB"
 
 
 def crc32(path: str) -> int:
@@ -181,8 +245,7 @@ class CheckpointDir:
         owned = [e for e in entries if e["file"] in self.own]
         dropped = owned[: -self.keep]
         kept = [e for e in entries if e not in dropped]  # another run's stay listed
-        with atomic_file(os.path.join(self.directory, MANIFEST)) as f:
-            f.write(json.dumps(kept, indent=1).encode())
+        _write_manifest(self.directory, kept)
         for old in dropped:  # only now that the new checkpoint and manifest are durable
             old_path = os.path.join(self.directory, old["file"])
             if os.path.isdir(old_path):
@@ -190,6 +253,23 @@ class CheckpointDir:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(old_path)
             self.own.discard(old["file"])
+
+    def set_aside(self, names: Iterable[str]) -> str:
+        """Move the checkpoints ``names`` with their manifest entries into a new sibling
+        directory named for the time, ``<directory>-set-aside-<time>`` (``-2``... if taken): a
+        checkpoint directory of its own, to resume from. Return its path."""
+        names = set(names)
+        stamp = time.strftime("%Y-%m-%d-%H-%M-%S")
+        stem = os.path.abspath(self.directory).rstrip(os.sep)
+        aside = claim_new(f"{stem}-set-aside-{stamp}", folder=True)
+        entries = self.entries()
+        _write_manifest(aside, [e for e in entries if e["file"] in names])
+        for name in sorted(names):  # one filesystem: renames, nothing copied
+            os.replace(os.path.join(self.directory, name), os.path.join(aside, name))
+        fsync_dir(aside)
+        _write_manifest(self.directory, [e for e in entries if e["file"] not in names])
+        fsync_dir(os.path.dirname(aside))
+        return aside
 
     def export(self, path: str, destination: str) -> None:
         """Put this directory's checkpoint ``path`` and a manifest that lists it alone into the
@@ -226,6 +306,11 @@ class CheckpointDir:
         fsync_dir(self.directory)
         self.record(path, entry["crc32"], entry["step"], entry.get("files"))
         return int(entry["step"])
+
+
+def _write_manifest(directory: str, entries: list[dict[str, Any]]) -> None:
+    with atomic_file(os.path.join(directory, MANIFEST)) as f:
+        f.write(json.dumps(entries, indent=1).encode())
 
 
 def _copy(source: str, target: str, *copy_file: Callable[[str, str], Any]) -> None:

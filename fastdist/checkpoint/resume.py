@@ -84,12 +84,36 @@ def _verify(
     """Check this rank's share of ``candidate``'s files, then load its rest: what is wrong
     (naming the file) and ``None``, or ``None`` and the checkpoint."""
     try:
-        for path, expected in sorted(candidate.checksums.items())[rank::world_size]:
-            if crc32(path) != expected:
-                return f"{path}: its CRC-32 does not match the manifest (truncated?)", None
-        return None, load_checkpoint(candidate.path)
+        problem = mismatch(sorted(candidate.checksums.items())[rank::world_size])
+        return (problem, None) if problem else (None, load_checkpoint(candidate.path))
     except Exception as exc:  # missing, unreadable, not a checkpoint: agreed on as a mismatch
         return f"{type(exc).__name__}: {exc}", None
+
+
+def mismatch(checksums: Iterable[tuple[str, int]]) -> str | None:
+    """The first of the files ``checksums`` names whose CRC-32 differs from the one given (the
+    manifest's), described; ``None`` if they all match. A missing file raises ``OSError``."""
+    for path, expected in checksums:
+        if crc32(path) != expected:
+            return f"{path}: its CRC-32 does not match the manifest (truncated?)"
+    return None
+
+
+def unverified(candidate: Candidate) -> str | None:
+    """What is wrong with ``candidate``'s files (a CRC-32 that differs, a file missing),
+    described; ``None`` if nothing is (its checksums all match)."""
+    try:
+        return mismatch(sorted(candidate.checksums.items()))
+    except OSError as exc:  # a file the manifest lists is missing or unreadable
+        return f"{type(exc).__name__}: {exc}"
+
+
+def listed(path: str) -> Candidate:
+    """``path`` with the checksums the manifest next to it records (none if it lists none)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    entries = CheckpointDir(parent, keep=1).entries()
+    entry = next((e for e in entries if e["file"] == name), None)
+    return Candidate(path, {} if entry is None else expected_checksums(parent, entry))
 
 
 def _plan_or_error(
@@ -129,21 +153,13 @@ def _plan(
         )
     if directory is not None:
         _check_may_start(directory, path)
-    return Plan([]) if path is None else Plan([_named(path)], explicit=True)
-
-
-def _named(path: str) -> Candidate:
-    """``path`` with the checksums the manifest next to it records (none if it lists none)."""
-    parent, name = os.path.split(os.path.abspath(path))
-    entries = CheckpointDir(parent, keep=1).entries()
-    entry = next((e for e in entries if e["file"] == name), None)
-    return Candidate(path, {} if entry is None else expected_checksums(parent, entry))
+    return Plan([]) if path is None else Plan([listed(path)], explicit=True)
 
 
 def _check_may_start(directory: CheckpointDir, path: str | None) -> None:
     """Refuse a run that would prune or overwrite checkpoints it does not continue: a fresh
-    start (``path`` ``None``) or one from elsewhere where the directory holds checkpoints, or
-    one from a checkpoint of the directory older than others there."""
+    start (``path`` ``None``) or one from elsewhere where the directory holds checkpoints. One
+    from a checkpoint of the directory older than others there first sets those aside."""
     held = directory.held()
     if not held:
         return
@@ -152,15 +168,25 @@ def _check_may_start(directory: CheckpointDir, path: str | None) -> None:
     name = os.path.basename(os.path.abspath(path))
     if name not in held or not _same_dir(path, directory.directory):
         _refuse(directory, "checkpoints", held, f"a run resumed from {path!r}")
-    newer = [other for other, step in held.items() if step > held[name]]
-    if newer:
-        _refuse(directory, f"checkpoints newer than {path!r}", newer, "this run")
+    newer = sorted(other for other, step in held.items() if step > held[name])
+    if newer:  # a rollback in place: the newer ones are kept, elsewhere
+        aside = directory.set_aside(newer)
+        logger.warning(
+            "rolling back to %s: the %d newer checkpoint(s) of %s (%s) were moved to %s, with "
+            "a manifest (resume from there to return to them)",
+            path,
+            len(newer),
+            directory.directory,
+            ", ".join(newer),
+            aside,
+        )
+        held = directory.held()
     directory.adopt(held)  # it continues the newest: the directory's checkpoints are its own
 
 
 def _refuse(directory: CheckpointDir, what: str, names: Iterable[str], run: str) -> NoReturn:
-    listed = sorted(names)
-    shown = ", ".join(listed[:3]) + (", ..." if len(listed) > 3 else "")
+    ordered = sorted(names)
+    shown = ", ".join(ordered[:3]) + (", ..." if len(ordered) > 3 else "")
     raise FileExistsError(
         f"the checkpoint directory {directory.directory!r} already holds {what} ({shown}), "
         f"which {run} would prune or overwrite: continue them with train(resume='auto'), "

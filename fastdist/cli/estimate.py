@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from fastdist.checks import check_int
 from fastdist.estimate import estimate_memory, parse_bytes, table
 from fastdist.strategies import DDP, FSDP, Strategy
 
@@ -40,14 +42,20 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("--amp", choices=("bf16", "fp16"), default=None, help="as DistTrainer's")
     parser.add_argument("--memory", default=None, help="memory per device, e.g. 80GB or 24GiB")
+    # Read "-5GB" as --memory's value (argparse takes it for an option): its error names it.
+    parser._negative_number_matcher = re.compile(r"^-[0-9.]")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the table; return 0, or 1 with a message on stderr."""
     try:
-        setup = load_setup(args.setup)
+        for option in ("world_size", "tp", "update_every"):
+            check_int("--" + option.replace("_", "-"), getattr(args, option), minimum=1)
         budget = None if args.memory is None else parse_bytes(args.memory)
+        if budget == 0:
+            raise ValueError("--memory must be more than 0 bytes, e.g. --memory 80GB")
+        setup = load_setup(args.setup)
         checkpointing = {"true": True, "false": False}.get(args.activation_checkpointing.lower())
         strategies: list[Strategy] = [DDP(), FSDP()]
         if args.tp > 1:
@@ -88,7 +96,12 @@ def load_setup(spec: str) -> dict[str, Any]:
         location.loader.exec_module(module)
     else:
         module = importlib.import_module(where)
-    setup = getattr(module, name)()
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(
+            f"SETUP {spec!r}: {where} has no function {name}: name a function defined in it"
+        )
+    setup = function()
     missing = [k for k in ("model", "optimizer", "batch") if k not in setup]
     if missing:
         raise KeyError(f"{spec} returned no {', '.join(missing)}: return a dict with them")

@@ -1,4 +1,4 @@
-"""``python -m fastdist plot``: draw the curves of ``JSONLogCallback`` logs into one PNG.
+"""``python -m fastdist plot``: draw the curves of ``log.jsonl`` logs (``JsonLogger``) in a PNG.
 
 Each RUN is a JSON Lines log or a directory holding ``log.jsonl`` (the trainer's ``save_path``).
 The panels show the training loss against the update step and against wall time, every
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from fastdist.callbacks.json_log import DEFAULT_FILE_NAME
+from fastdist.loggers.json_lines import DEFAULT_FILE_NAME
 
 Record = dict[str, Any]
 # Keys of an "eval" record that are not metric values.

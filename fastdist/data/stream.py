@@ -120,18 +120,51 @@ class StreamShard(EpochCarrier):
 class ShardedStream(EpochCarrier):
     """A stream that reads only this reader's part itself: fastdist takes it as it is.
 
-    Wrap a dataset that splits its sources by rank and DataLoader worker, as streaming
-    libraries do, so that it is not split a second time. Read the rank when the dataset is
-    built (``fastdist.get_rank()``, in the main process) and the worker in ``__iter__``
+    Wrap a dataset that splits its sources by data shard and DataLoader worker, as streaming
+    libraries do by rank, so that it is not split a second time. The data shard is the rank
+    among the ranks that train on different data (tensor-parallel peers share one): read it
+    when the dataset is built, in the main process, from the strategy's layout
+    (``Topology.of(strategy).data_shard``, :class:`fastdist.strategies.Topology`; without
+    tensor parallelism it is the rank), say it here, and read the worker in ``__iter__``
     (``torch.utils.data.get_worker_info()``): ``__iter__`` runs in forked DataLoader workers,
     where torch.distributed must not be called (a worker that did stalled once in our tests).
     The parts may differ in length: the ranks still agree on every update and end the epoch
     together. ``state_dict``/``load_state_dict`` and ``set_epoch`` of the dataset are used as
     they are.
 
+    Args:
+        dataset: the stream of this data shard's items.
+        rank, size: the data shard it reads, of how many; the trainer checks them against its
+            topology. ``None``: the rank and world size (refused where tensor-parallel peers
+            share a shard).
+
     Example:
-        >>> trainer = DistTrainer(ShardedStream(my_sharded_stream), model, ...)
+        >>> strategy = FSDP(tp=2, tp_plan=plan)
+        >>> shard = Topology.of(strategy).data_shard
+        >>> stream = ShardedStream(MyStream(shard.rank, shard.size), shard.rank, shard.size)
+        >>> trainer = DistTrainer(stream, model, ..., strategy=strategy)
     """
+
+    def __init__(self, dataset: Any, rank: int | None = None, size: int | None = None) -> None:
+        super().__init__(dataset)
+        self.rank, self.size = rank, size
+
+    def check_shard(self, rank: int, size: int, world_size: int) -> None:
+        """Raise unless this stream reads data shard ``rank`` of ``size`` (of ``world_size``
+        ranks)."""
+        given = (self.rank, self.size)
+        if given == (None, None) and size == world_size:
+            return
+        if given != (rank, size):
+            said = (
+                "no data shard" if given == (None, None) else f"data shard {given[0]} of {given[1]}"
+            )
+            raise ValueError(
+                f"ShardedStream says it reads {said}, but this rank trains on data shard "
+                f"{rank} of {size} (tensor-parallel peers share one, and must read the same "
+                "items): split the stream by Topology.of(strategy).data_shard, not by the rank, "
+                "and pass ShardedStream(stream, shard.rank, shard.size)"
+            )
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._at_epoch())

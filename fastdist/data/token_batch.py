@@ -26,7 +26,9 @@ class TokenBatchSampler(Sampler[list[int]]):
         max_tokens: the padded-size budget of one batch (per process).
         shuffle: shuffle per epoch; ``False`` keeps length order.
         seed: the shuffle's seed (the same on every rank).
-        rank, world_size: default: this process's, read when iterating.
+        rank, world_size: which data shard it gives, of how many; default: this process's
+            rank and world size, read when iterating. ``DistTrainer`` sets them to the
+            rank's data shard (tensor-parallel peers share one: :meth:`set_shard`).
 
     Raises:
         ValueError: a sample is longer than ``max_tokens`` (naming its index and length),
@@ -70,6 +72,18 @@ class TokenBatchSampler(Sampler[list[int]]):
     @property
     def world_size(self) -> int:
         return get_world_size() if self._world_size is None else self._world_size
+
+    def set_shard(self, rank: int, world_size: int) -> None:
+        """Give data shard ``rank`` of ``world_size`` (the trainer's topology says which);
+        raise if the constructor named another."""
+        given = (self._rank, self._world_size)
+        if given != (None, None) and given != (rank, world_size):
+            raise ValueError(
+                f"TokenBatchSampler(rank={self._rank}, world_size={self._world_size}) names "
+                f"another data shard than this rank's ({rank} of {world_size}, tensor-parallel "
+                "peers sharing one): leave rank and world_size out inside DistTrainer"
+            )
+        self._rank, self._world_size = rank, world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch, hence the batches (the same on every rank)."""

@@ -9,6 +9,7 @@ context where its variables are missing (:mod:`~fastdist.distributed.ray_train`)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
 import os
@@ -286,9 +287,18 @@ def _exchange(store: Any, rank: int, world_size: int, key: str, value: str) -> l
     return [store.get(f"{key}/{r}").decode() for r in range(world_size)]
 
 
+#: The store key each rank sets when its script ends, and the count of those ranks (read by
+#: :func:`fastdist.distributed.position.enter_on_every_rank`).
+EXITING, EXITED_COUNT = "fastdist/exiting/{}", "fastdist/exiting"
+
+
 def _destroy_if_initialized() -> None:
     if not dist.is_initialized():
         return
+    with contextlib.suppress(Exception):  # tell ranks waiting for this one not to wait
+        store = dist.distributed_c10d._get_default_store()
+        store.set(EXITING.format(get_rank()), "")
+        store.add(EXITED_COUNT, 1)
     # Free dead trainers (callbacks and trainer reference each other, so only the cycle
     # collector frees them) while the interpreter is whole: a DDP reducer torn down during
     # interpreter finalization aborts the process ("terminate called without an active

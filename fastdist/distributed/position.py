@@ -10,14 +10,19 @@ write one readable report.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import time
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
+
+from fastdist.distributed.env import EXITED_COUNT, EXITING, get_rank, get_world_size
 
 _KEY = "fastdist/position/{}"
+_ENTERED = "fastdist/entered/{}/{}"  # a call's name and its number on each rank; one count
 #: Seconds between publications of a rank's position after its updates.
 UPDATE_EVERY_S = 1.0
 
@@ -96,3 +101,41 @@ class PositionBoard:
             return json.loads(self.store.get(key))
         except Exception:  # the store's host may be gone too; report what we know
             return None
+
+
+_calls: collections.Counter[str] = collections.Counter()  # this process's calls by name
+
+
+def enter_on_every_rank(call: str, timeout: float | None) -> None:
+    """Wait until every rank has entered ``call`` (a function every rank must call, such as
+    ``save_model``) as often as this one, before its first collective.
+
+    The ranks count their entries in the rendezvous store. Where one is not coming, this
+    raises instead of a collective that would wait for it: at once if some rank is exiting
+    (its script ended), else after ``timeout`` seconds (``None``: torch's default, 30 minutes),
+    naming the ranks missing and where they last were.
+    """
+    world = get_world_size()
+    if world == 1 or not dist.is_initialized():
+        return
+    number = _calls[call]
+    _calls[call] += 1
+    board = PositionBoard(get_rank(), world)  # to read where the others are
+    store, key = _default_store(), _ENTERED.format(call, number)
+    store.set(f"{key}/{board.rank}", "")
+    count = store.add(key, 1)
+    limit = timeout if timeout is not None else default_pg_timeout.total_seconds()
+    start, pause = time.monotonic(), 0.001
+    while count < world:
+        if store.add(EXITED_COUNT, 0) or time.monotonic() - start > limit:
+            exiting = [r for r in range(world) if store.check([EXITING.format(r)])]
+            missing = [r for r in range(world) if not store.check([f"{key}/{r}"])]
+            where = "; ".join(f"rank {r}: {board.describe(board._read(r) or {})}" for r in missing)
+            why = f"ranks {exiting} ended their script" if exiting else f"{limit:g} s passed"
+            raise RuntimeError(
+                f"{call} must be called on every rank, but ranks {missing} did not call it "
+                f"({why}; {where}): call it on every rank, not under `if rank == 0`"
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+        count = store.add(key, 0)

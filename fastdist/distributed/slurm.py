@@ -33,19 +33,44 @@ def torchrun_env_from_slurm(env: MutableMapping[str, str]) -> dict[str, str]:
 
     Empty when torchrun's variables are already there (``srun torchrun ...``) or this is not a
     SLURM task. ``MASTER_PORT`` defaults to 29500 unless set.
+
+    Raises:
+        ValueError: SLURM's variables cannot say the ranks (the same on every task).
     """
     if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
         return {}
+    ntasks, procid = _count("SLURM_NTASKS", env, 1), _count("SLURM_PROCID", env, 0)
+    if procid >= ntasks:
+        raise ValueError(
+            f"SLURM_PROCID={procid} but SLURM_NTASKS={ntasks}: a task's SLURM_PROCID must be "
+            f"below SLURM_NTASKS; start every task with one srun (srun -n {procid + 1} or "
+            "more), or unset the SLURM_* variables copied from another job"
+        )
+    if not env.get("MASTER_ADDR") and not env.get("SLURM_JOB_NODELIST"):
+        raise ValueError(
+            "SLURM_JOB_NODELIST is not set, so the address of task 0 is unknown: start the "
+            "tasks with srun inside a job (which sets it), or set MASTER_ADDR to task 0's host"
+        )
     return {
-        "RANK": env["SLURM_PROCID"],
-        "WORLD_SIZE": env["SLURM_NTASKS"],
+        "RANK": str(procid),
+        "WORLD_SIZE": str(ntasks),
         "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
-        "LOCAL_WORLD_SIZE": env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        or env["SLURM_NTASKS"],
+        "LOCAL_WORLD_SIZE": env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or str(ntasks),
         "GROUP_RANK": env.get("SLURM_NODEID", "0"),
         "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(env["SLURM_JOB_NODELIST"]),
         "MASTER_PORT": env.get("MASTER_PORT", str(DEFAULT_PORT)),
     }
+
+
+def _count(name: str, env: Mapping[str, str], least: int) -> int:
+    """The integer SLURM variable ``name``, at least ``least``; else a ``ValueError``."""
+    given = env[name].strip()
+    if not given.isdigit() or int(given) < least:
+        raise ValueError(
+            f"{name}={env[name]!r} is not an integer >= {least}: it is SLURM's, so start the "
+            f"tasks with srun (which sets it), or unset {name} when not under SLURM"
+        )
+    return int(given)
 
 
 def apply_slurm_env(env: MutableMapping[str, str] = os.environ) -> bool:

@@ -32,6 +32,8 @@ ROWS = (
 
 def parse_bytes(text: str) -> int:
     """``"80GB"`` (powers of 10), ``"80GiB"`` (powers of 2) or a plain number, as bytes."""
+    if text.strip().startswith("-"):
+        raise ValueError(f"memory must be a positive size such as 80GB or 24GiB; got {text!r}")
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
     if match is None:
         raise ValueError(

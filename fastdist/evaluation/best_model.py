@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from fastdist.checkpoint.export import SUFFIXES, read_model, write_model
+from fastdist.checkpoint.files import claim_new
 from fastdist.distributed import get_rank
 from fastdist.strategies import Strategy, model_class
 
@@ -15,10 +16,11 @@ class BestModel:
     """Rank 0 keeps the best weights, whole and unsharded (they load into the model without
     fastdist): in a file (or a Hugging Face folder) under ``save_path``, named for the
     model's own class under every strategy, else (if they will be loaded at the end) in
-    memory. The name carries the run's start time, so a new run never overwrites an earlier
-    run's best model. A checkpoint part: it saves the file's path, or the weights it keeps in
-    memory (rank 0's, so that a resumed run ends with the best of the whole run, not of its
-    own part).
+    memory. The name carries the time of the run's first best evaluation, and is claimed
+    exclusively (``-2``, ``-3``... appended if taken), so a run never overwrites another run's
+    best model, even one sharing ``save_path`` and the second. A checkpoint part: it saves
+    the file's path, or the weights it keeps in memory (rank 0's, so that a resumed run ends
+    with the best of the whole run, not of its own part).
 
     Args:
         format: how the file is written (:data:`~fastdist.checkpoint.export.FORMATS`).
@@ -51,8 +53,9 @@ class BestModel:
         if self.path is None:
             stamp = time.strftime("%Y-%m-%d-%H-%M-%S")
             cls = model_class(self.strategy.model).__name__  # not FSDP's FSDP<Name>
-            name = f"best_{cls}_{metric_key}_{stamp}{SUFFIXES[self.format]}"
-            self.path = os.path.join(self.save_path, name)
+            stem = os.path.join(self.save_path, f"best_{cls}_{metric_key}_{stamp}")
+            os.makedirs(self.save_path, exist_ok=True)
+            self.path = claim_new(stem, SUFFIXES[self.format], folder=self.format == "hf")
         write_model(weights, self.path, self.format, self.strategy.model)
 
     def load(self, is_master: bool) -> None:

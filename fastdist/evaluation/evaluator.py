@@ -15,7 +15,7 @@ from tqdm import tqdm
 from fastdist.data.feed import to_device
 from fastdist.distributed import all_reduce_sum, get_rank
 from fastdist.metrics import Metric
-from fastdist.strategies import data_shard
+from fastdist.strategies import Strategy, Topology
 
 
 class ShardSampler(Sampler[int]):
@@ -62,6 +62,7 @@ class Evaluator:
         model: what the forward runs through (a strategy's ``eval_module``).
         equal_forwards: every rank must run equally many forwards (a sharded model).
         forward: ``forward(module, batch)`` (:func:`~fastdist.data.feed.make_forward`).
+        topology: the layout, which says this rank's data shard (``None``: every rank one).
     """
 
     def __init__(
@@ -76,8 +77,10 @@ class Evaluator:
         collate_fn: Callable | None = None,
         group: Any = None,
         multiprocessing_context: Any = None,
+        topology: Topology | None = None,
     ) -> None:
         self.model = model
+        self.topology = topology or Topology.of(Strategy())
         self.equal_forwards = equal_forwards
         self.forward = forward
         self.metrics = list(metrics)
@@ -91,7 +94,7 @@ class Evaluator:
     @torch.no_grad()
     def evaluate(self, data: Dataset) -> dict[str, float]:
         """Score ``data`` (a map-style dataset) and return the flat ``{key: value}`` result."""
-        shard = data_shard(self.model)  # tensor-parallel peers score the same samples
+        shard = self.topology.data_shard  # tensor-parallel peers score the same samples
         sampler = ShardSampler(len(data), shard.rank, shard.size)  # type: ignore[arg-type]
         loader = DataLoader(
             data,

@@ -24,9 +24,10 @@ from torch.utils.data import DataLoader, Dataset
 from fastdist.data.feed import make_forward, to_device
 from fastdist.data.workers import worker_context
 from fastdist.distributed import all_gather_object, get_rank
+from fastdist.distributed.position import enter_on_every_rank
 from fastdist.evaluation.evaluator import ShardSampler, padded_batches
 from fastdist.evaluation.spill import Writer, cleanup, merge, open_work_dir, spill_path
-from fastdist.strategies import data_shard, eval_view
+from fastdist.strategies import Strategy, Topology, eval_view
 
 #: ``to_output(output, batch)``: the per-sample outputs of one batch, in batch order.
 ToOutput = Callable[[Any, Any], list[Any]]
@@ -45,11 +46,14 @@ def predict(
     group: Any = None,
     num_workers: int = 0,
     multiprocessing_context: str | None = None,
+    topology: Topology | None = None,
 ) -> list[Any] | None:
     """Run ``model`` over ``data`` on every rank; rank 0 gets the outputs in dataset order.
 
-    Call it on every rank. Each rank predicts its shard in eval mode under ``torch.no_grad()``
-    (a ``DistributedDataParallel`` model is unwrapped first) and streams each sample's output
+    Call it on every rank (where one does not, the others raise: at once if its script ended,
+    else after torch's default timeout). Each rank predicts its shard in eval mode under
+    ``torch.no_grad()`` (a ``DistributedDataParallel`` model is unwrapped first) and streams
+    each sample's output
     to ``<shared_dir>/fastdist-predict-XXXX/rank<r>.*``; rank 0 then merges the files in
     dataset order. Every sample is predicted exactly once, whatever the world size.
 
@@ -84,6 +88,9 @@ def predict(
         group: process group of the collectives (all ranks); default the world.
         num_workers: DataLoader worker processes per rank.
         multiprocessing_context: how they start (see :mod:`fastdist.data.workers`).
+        topology: the layout the model runs on, which says this rank's data shard
+            (``trainer.topology``; tensor-parallel peers predict the same samples);
+            default: every rank a shard of its own.
 
     Returns:
         On rank 0 the list of per-sample outputs in dataset order, or ``None`` with
@@ -96,9 +103,10 @@ def predict(
         >>> predict(model, test_data, output_path="pred.jsonl")  # rank 0 writes the file
     """
     n = _check_args(data, batch_size_per_gpu, output_path, writer, to_output, num_workers)
+    enter_on_every_rank("predict", None)  # a rank not calling it: an error, not a hang
     rank = get_rank()
     model, equal_forwards = eval_view(model)  # a DDP wrapper is unwrapped
-    shard = data_shard(model)  # tensor-parallel peers predict the same samples; one writes
+    shard = (topology or Topology.of(Strategy())).data_shard  # tp peers share one; one writes
     if device is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")

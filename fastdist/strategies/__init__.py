@@ -2,21 +2,22 @@
 
 ``DistTrainer(strategy=...)`` takes ``"ddp"`` (the default), ``"fsdp"`` or an object holding
 its options, e.g. ``DDP(bucket_cap_mb=50, comm_hook="powersgd")``, ``FSDP(wrap=[Block])`` or
-``FSDP(tp=2, tp_plan=...)`` (FSDP with tensor parallelism on a 2-D mesh).
+``FSDP(tp=2, tp_plan=...)`` (FSDP with tensor parallelism), ``FSDP(replicate=2)`` (HSDP). The
+layout they run on is a :class:`Topology` (``trainer.topology``).
 """
 
 from fastdist.strategies.base import Strategy
 from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP
 from fastdist.strategies.registry import eval_view, model_class, resolve_strategy
-from fastdist.strategies.tensor_parallel import DataShard, data_shard
+from fastdist.strategies.topology import DataShard, Topology
 
 __all__ = [
     "DDP",
     "FSDP",
     "DataShard",
     "Strategy",
-    "data_shard",
+    "Topology",
     "eval_view",
     "model_class",
     "resolve_strategy",

@@ -18,6 +18,7 @@ from torch import nn
 from fastdist.checkpoint import PER_RANK, REPLICATED
 from fastdist.distributed import broadcast_tensors, get_rank
 from fastdist.strategies.blocks import checkpoint_blocks, find_blocks
+from fastdist.strategies.topology import Topology
 
 
 class Strategy:
@@ -29,6 +30,7 @@ class Strategy:
         module: what the training forward runs through (a wrapper, or ``model``).
         optimizer: the optimizer stepping ``model``'s parameters.
         own_groups: process groups the strategy created (torn down with the trainer).
+        topology: the layout it runs on (:class:`~fastdist.strategies.topology.Topology`).
     """
 
     #: Every rank must run equally many forwards (each forward is a collective).
@@ -39,6 +41,12 @@ class Strategy:
     #: Ranks step on their own gradients between synchronisations (local SGD): every rank
     #: does not see the same gradients, so they cannot all skip the same non-finite update.
     local_steps = False
+
+    def degrees(self, world_size: int) -> dict[str, int]:
+        """How many of ``world_size`` ranks this strategy lays along each dimension it runs on
+        (:mod:`~fastdist.strategies.topology`): here every rank a replica of the model. Raise,
+        naming the option, if the world does not fit (alike on every rank)."""
+        return {"dp_replicate": world_size}
 
     def check(
         self,
@@ -61,6 +69,7 @@ class Strategy:
         compile: bool = False,
         checkpointing: int = 0,
         timeout: float | None = None,
+        topology: Topology | None = None,
     ) -> torch.optim.Optimizer:
         """Wrap ``model`` (already on ``device``) for training over ``group``; return the
         optimizer to use (a strategy that replaces the parameters repoints it).
@@ -68,17 +77,24 @@ class Strategy:
         Before wrapping, every ``checkpointing``-th block (:meth:`blocks`) gets activation
         checkpointing (0: none) and, with ``compile``, the model is compiled in place (the
         base class and DDP compile it whole). ``timeout``: seconds the process groups a
-        strategy creates may wait (``None``: torch's default)."""
-        self.attach(model, optimizer, device, group)
+        strategy creates may wait (``None``: torch's default). ``topology``: the trainer's
+        layout, built from :meth:`degrees` (``None``: this strategy's over the job)."""
+        self.attach(model, optimizer, device, group, topology)
         checkpoint_blocks(model, self.blocks(model), checkpointing)
         if compile:
             model.compile()
         return optimizer
 
     def attach(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, group: Any
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        group: Any,
+        topology: Topology | None = None,
     ) -> None:
         """Hold the parts :meth:`setup` wraps (the first thing every ``setup`` does)."""
+        self.topology = topology or Topology.of(self, device.type, group)
         self.model = self.module = model
         self.optimizer, self.device, self.group = optimizer, device, group
         self.own_groups: list[Any] = []  # process groups this strategy created

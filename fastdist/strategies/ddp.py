@@ -18,6 +18,7 @@ from fastdist.distributed import get_world_size, is_distributed
 from fastdist.logging import logger
 from fastdist.strategies.base import Strategy
 from fastdist.strategies.powersgd import PowerSGD
+from fastdist.strategies.topology import Topology
 
 COMM_HOOKS = (None, "fp16", "bf16", "powersgd")
 
@@ -97,9 +98,17 @@ class DDP(Strategy):
         compile: bool = False,
         checkpointing: int = 0,
         timeout: float | None = None,
+        topology: Topology | None = None,
     ) -> torch.optim.Optimizer:
         super().setup(
-            model, optimizer, device, group, amp, compile=compile, checkpointing=checkpointing
+            model,
+            optimizer,
+            device,
+            group,
+            amp,
+            compile=compile,
+            checkpointing=checkpointing,
+            topology=topology,
         )
         if not is_distributed():
             return optimizer  # one process: nothing to all-reduce

@@ -11,9 +11,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -24,21 +22,26 @@ from torch.distributed.fsdp import (
 )
 
 from fastdist.checkpoint import PER_RANK, SHARDED
-from fastdist.checks import check_bool, describe
+from fastdist.checks import check_bool, check_int, describe
 from fastdist.distributed import get_rank, get_world_size, is_distributed
 from fastdist.logging import logger
 from fastdist.strategies.base import Strategy
 from fastdist.strategies.blocks import checkpoint_blocks, compile_blocks, find_blocks, plain_name
-from fastdist.strategies.sharded_io import ShardedModel, ShardedOptimizer, gather_full, scatter_full
+from fastdist.strategies.sharded_io import (
+    ShardedModel,
+    ShardedOptimizer,
+    gather_full,
+    refuse_sharded_save_pretrained,
+    scatter_full,
+)
 from fastdist.strategies.tensor_parallel import (
-    DP,
     Plan,
     apply_plan,
     check_plan,
     check_plan_option,
-    make_mesh,
     resolve_plan,
 )
+from fastdist.strategies.topology import Topology
 
 _PARAM_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -76,8 +79,8 @@ def check_wrap(wrap: Any) -> None:
 
 
 class FSDP(Strategy):
-    """Fully sharded data parallelism with torch's ``fully_shard`` (FSDP2), optionally with
-    tensor parallelism on a 2-D mesh.
+    """Fully sharded data parallelism with torch's ``fully_shard`` (FSDP2), optionally
+    replicated over groups (HSDP) and with tensor parallelism.
 
     ``strategy="fsdp"`` is ``FSDP()``. The optimizer is pointed at the sharded parameters
     (same class, groups and hyperparameters). Checkpoints are sharded (DCP: every rank writes
@@ -93,12 +96,17 @@ class FSDP(Strategy):
             default for the root).
         cpu_offload: keep the parameter shards, gradients and optimizer state in host memory
             (``CPUOffloadPolicy``); the optimizer steps on the CPU. CUDA only.
-        tp: ranks per tensor-parallel group. With ``tp > 1`` the ranks form a 2-D
-            ``DeviceMesh`` ``dp_shard`` x ``tp`` (torch's ``init_device_mesh``; peers adjacent:
+        replicate: replica groups (HSDP): the parameters are sharded within each group of
+            ``world_size / (replicate * tp)`` ranks and replicated across the groups (the
+            ``dp_replicate`` x ``dp_shard`` mesh of ``fully_shard``): less communication
+            between groups (one all-reduce of the gradient shards), more memory per rank.
+            ``replicate=1`` is plain FSDP.
+        tp: ranks per tensor-parallel group. With ``tp > 1`` the ranks form a ``DeviceMesh``
+            ``[dp_replicate x] dp_shard x tp`` (torch's ``init_device_mesh``; peers adjacent:
             rank ``r`` is in tensor-parallel group ``r // tp``): ``parallelize_module`` splits
-            the planned layers over each group, then ``fully_shard`` shards over ``dp_shard``.
+            the planned layers over each group, then ``fully_shard`` shards over the rest.
             Peers run the same batches, so the global batch is ``batch_size_per_gpu x
-            (world_size / tp) x update_every``. ``tp=1`` is plain FSDP.
+            (world_size / tp) x update_every``. ``tp=1``: no tensor parallelism.
         tp_plan: ``{module name pattern: "colwise" | "rowwise" | "sequence" | ParallelStyle}``
             (see :mod:`fastdist.strategies.tensor_parallel`), or a function ``plan(model,
             tp_mesh)`` that parallelizes the model itself; ``None``: the model's own Hugging
@@ -111,6 +119,7 @@ class FSDP(Strategy):
         >>> DistTrainer(..., strategy=FSDP(wrap=[TransformerBlock]))
         >>> plan = {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
         >>> DistTrainer(..., strategy=FSDP(tp=2, tp_plan=plan))  # torchrun --nproc-per-node=4
+        >>> DistTrainer(..., strategy=FSDP(replicate=2))  # HSDP: 2 groups, each sharding
     """
 
     equal_forwards = True
@@ -123,14 +132,17 @@ class FSDP(Strategy):
         cpu_offload: bool = False,
         tp: int = 1,
         tp_plan: Plan | None = None,
+        replicate: int = 1,
     ) -> None:
         check_wrap(wrap)
         check_bool("reshard_after_forward", reshard_after_forward)
         check_bool("cpu_offload", cpu_offload)
         check_plan_option(tp, tp_plan)
+        check_int("replicate", replicate, minimum=1)
         self.wrap = wrap
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        self.replicate = replicate
         self.tp = tp
         self.tp_plan = tp_plan
 
@@ -159,17 +171,30 @@ class FSDP(Strategy):
                 "FSDP(cpu_offload=True) moves sharded state from the GPU to host memory; on a "
                 "CPU device it already lives there: drop cpu_offload"
             )
+        self.degrees(get_world_size())
         if self.tp > 1:
-            world = get_world_size()
-            if world % self.tp:
-                raise ValueError(
-                    f"FSDP(tp={self.tp}) splits the ranks into tensor-parallel groups of "
-                    f"{self.tp}, but the world has {world} process(es): launch a multiple of "
-                    f"{self.tp} processes, or choose a tp that divides {world}"
-                )
             plan = resolve_plan(model, self.tp_plan)
             if not callable(plan):
                 check_plan(model, plan, self.tp)
+
+    def degrees(self, world_size: int) -> dict[str, int]:
+        """``[dp_replicate x] dp_shard [x tp]``: ``replicate`` groups, each sharding over the
+        ranks left by its tensor-parallel groups of ``tp``."""
+        per = self.replicate * self.tp
+        if world_size % per:
+            options = (("replicate", self.replicate), ("tp", self.tp))
+            given = [f"{name}={value}" for name, value in options if value > 1]
+            raise ValueError(
+                f"FSDP({', '.join(given)}) splits the ranks into groups of {per}, but the world "
+                f"has {world_size} process(es), not a multiple of {' x '.join(given)}: launch "
+                f"a multiple of {per} processes, or choose {' and '.join(given)} to divide "
+                f"{world_size}"
+            )
+        degrees = {"dp_replicate": self.replicate} if self.replicate > 1 else {}
+        degrees["dp_shard"] = world_size // per
+        if self.tp > 1:
+            degrees["tp"] = self.tp
+        return degrees
 
     def blocks(self, model: nn.Module) -> list[str]:
         """The blocks sharded one by one: ``wrap``'s classes, or the ModuleLists' children."""
@@ -186,10 +211,12 @@ class FSDP(Strategy):
         compile: bool = False,
         checkpointing: int = 0,
         timeout: float | None = None,
+        topology: Topology | None = None,
     ) -> torch.optim.Optimizer:
         """Tensor parallelism (``tp > 1``), activation checkpointing, each block compiled,
-        then ``fully_shard`` per block and on the root: torchtitan's order."""
-        self.attach(model, optimizer, device, group)
+        then ``fully_shard`` per block and on the root: torchtitan's order. The meshes are
+        the ``topology``'s."""
+        self.attach(model, optimizer, device, group, topology)
         blocks = self.blocks(model)
         if not is_distributed():
             logger.info("strategy FSDP on one process: the plain model, nothing to shard")
@@ -198,7 +225,7 @@ class FSDP(Strategy):
                 compile_blocks(model, blocks)
             return optimizer
         old_names = {id(p): name for name, p in model.named_parameters()}
-        mesh = self._tensor_parallel(model, device, group, timeout)
+        mesh = self._apply_layout(model)
         checkpoint_blocks(model, blocks, checkpointing)
         if compile:
             compile_blocks(model, blocks)
@@ -217,6 +244,7 @@ class FSDP(Strategy):
         fully_shard(model, **{**options, "reshard_after_forward": False})
         if callable(getattr(model, "predict", None)):  # evaluation calls it: gather there too
             register_fsdp_forward_method(model, "predict")
+        refuse_sharded_save_pretrained(model)  # an error at once, not a hang under rank == 0
         logger.info(
             "fsdp: sharded %d block(s) one by one%s, then the root %s",
             len(blocks),
@@ -226,30 +254,31 @@ class FSDP(Strategy):
         switch_parameters(optimizer, old_names, model)
         return optimizer
 
-    def _tensor_parallel(
-        self, model: nn.Module, device: torch.device, group: Any, timeout: float | None
-    ) -> DeviceMesh:
-        """Apply the plan on the ``tp`` dimension of a 2-D mesh (``tp > 1``); return the mesh
-        FSDP shards over: its ``dp_shard`` dimension, or the trainer's group."""
-        if self.tp == 1:
-            group = group or dist.group.WORLD
-            assert group is not None  # several processes: the default group exists
-            return DeviceMesh.from_group(group, device.type)
-        dp = get_world_size() // self.tp
-        mesh = make_mesh(device.type, dp, self.tp, timeout)  # kept for the process
-        plan = resolve_plan(model, self.tp_plan)
-        apply_plan(model, plan, mesh)
-        logger.info(
-            "tensor parallel: %s split over tp=%d ranks, FSDP over dp_shard=%d",
-            "a plan function's modules" if callable(plan) else f"{len(plan)} module(s)",
-            self.tp,
-            dp,
-        )
-        return mesh[DP]
+    def _apply_layout(self, model: nn.Module) -> Any:
+        """Apply the plan on the topology's ``tp`` mesh (``tp > 1``); return the mesh FSDP
+        shards over: ``dp_shard``, or ``dp_replicate`` x ``dp_shard`` (HSDP)."""
+        topology = self.topology
+        if self.tp > 1:
+            plan = resolve_plan(model, self.tp_plan)
+            apply_plan(model, plan, topology.mesh("tp"))
+            logger.info(
+                "tensor parallel: %s split over tp=%d ranks",
+                "a plan function's modules" if callable(plan) else f"{len(plan)} module(s)",
+                self.tp,
+            )
+        data = tuple(d for d in ("dp_replicate", "dp_shard") if d in topology.dims)
+        if len(data) > 1:
+            logger.info("HSDP: sharded over %s", topology)
+        return topology.mesh(*data)
 
     def replicas(self, step: int) -> list[tuple[str, torch.Tensor]]:
-        """None when sharded: each parameter has one copy, split over the ranks."""
-        return [] if isinstance(self.model, FSDPModule) else super().replicas(step)
+        """Each rank's shards, which the replica groups (HSDP) hold copies of; none under
+        plain FSDP (each parameter has one copy, split over the ranks)."""
+        if not isinstance(self.model, FSDPModule):
+            return super().replicas(step)
+        if self.topology.size("dp_replicate") == 1:
+            return []
+        return [(name, p.to_local()) for name, p in self.model.named_parameters()]  # type: ignore[attr-defined]
 
     def after_evaluation(self) -> None:
         """Shard the root's parameters again: a forward without backward leaves them gathered

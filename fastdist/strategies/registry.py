@@ -9,11 +9,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from fastdist.distributed import get_world_size
 from fastdist.strategies.base import Strategy
 from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP
-from fastdist.strategies.tensor_parallel import data_shard
 
 #: ``strategy="ddp"`` and ``strategy="fsdp"``: the strategies with their default options.
 BY_NAME: dict[str, type[Strategy]] = {"ddp": DDP, "fsdp": FSDP}
@@ -35,12 +33,11 @@ def resolve_strategy(strategy: Any) -> Strategy:
 
 def eval_view(model: nn.Module) -> tuple[nn.Module, bool]:
     """``(module to run, whether every rank must run equally many forwards)`` for a model
-    given as it is, possibly wrapped by DDP, sharded by FSDP or tensor-parallel (each forward
-    a collective)."""
+    given as it is, possibly wrapped by DDP or sharded by FSDP (each forward a collective;
+    fastdist's tensor-parallel models are sharded too)."""
     if isinstance(model, DistributedDataParallel):
         return model.module, False
-    sharded = isinstance(model, FSDPModule) or data_shard(model).size < get_world_size()
-    return model, sharded
+    return model, isinstance(model, FSDPModule)
 
 
 def model_class(model: nn.Module) -> type[nn.Module]:

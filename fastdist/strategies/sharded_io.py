@@ -6,6 +6,7 @@ rank's shards as DTensors for DCP to write and reshard, and gather or scatter a 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 #: A whole copy, gathered to the CPU.
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -58,3 +60,32 @@ def scatter_full(model: nn.Module, weights: dict[str, Any] | None) -> None:
     """Load rank 0's whole ``weights`` into every rank's shards (a collective)."""
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, weights or {}, options=options)
+
+
+def refuse_sharded_save_pretrained(model: nn.Module) -> None:
+    """Make a sharded transformers model's ``save_pretrained`` (and ``push_to_hub``, which
+    calls it) raise at once, on the rank that calls it, where it would gather the shards.
+
+    transformers gathers them with a collective: called under ``if rank == 0`` it waits for
+    ranks that never join (a hang), called on every rank it fails inside transformers.
+    ``trainer.save_model(dir, format="hf")`` gathers with every rank and writes the same
+    folder. Given a full ``state_dict`` (no DTensor), ``save_pretrained`` reads nothing
+    sharded and runs as it is (``save_model`` calls it so).
+    """
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if not callable(save_pretrained):
+        return
+
+    @functools.wraps(save_pretrained)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        weights = kwargs.get("state_dict", args[2] if len(args) > 2 else None)
+        if weights is None or any(isinstance(v, DTensor) for v in weights.values()):
+            raise RuntimeError(
+                f"{type(model).__name__}.save_pretrained() cannot gather the weights FSDP "
+                "sharded over the ranks (a collective: under `if rank == 0` it would wait "
+                'for the other ranks forever): call trainer.save_model(dir, format="hf") on '
+                "every rank instead; rank 0 writes the folder save_pretrained would"
+            )
+        return save_pretrained(*args, **kwargs)
+
+    model.save_pretrained = guarded  # type: ignore[assignment]  # hides the class method

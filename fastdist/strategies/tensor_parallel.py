@@ -1,6 +1,5 @@
 """Tensor parallelism: a plan of torch's parallel styles applied with ``parallelize_module`` on
-the ``tp`` dimension of a 2-D ``DeviceMesh`` (``dp_shard`` x ``tp``), and which shard of the
-data a rank runs (tensor-parallel peers run the same batches).
+the ``tp`` dimension of the topology's ``DeviceMesh`` (:mod:`~fastdist.strategies.topology`).
 
 A plan maps module names to styles. Names may hold ``*`` for one name component
 (``"layers.*.mlp.up_proj"``); styles are ``"colwise"`` (``ColwiseParallel``: the output
@@ -11,16 +10,12 @@ any ``ParallelStyle``. A plan is checked against the model before any collective
 
 from __future__ import annotations
 
-import datetime
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
-from torch._C._distributed_c10d import Backend
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -31,10 +26,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fastdist.checks import describe
-from fastdist.distributed import get_rank, get_world_size
-
-#: The mesh's dimensions: data parallel (FSDP shards over it) and tensor parallel.
-DP, TP = "dp_shard", "tp"
 
 #: ``tp_plan=`` as given: ``{pattern: style}`` or ``plan(model, tp_mesh)``.
 Plan = Mapping[str, str | ParallelStyle] | Callable[[nn.Module, DeviceMesh], None]
@@ -62,28 +53,6 @@ HEAD_COUNTS = (
     "num_kv_heads",
     "n_kv_heads",
 )
-
-
-@dataclass(frozen=True)
-class DataShard:
-    """Which shard of the data a rank runs, of how many; ``primary``: this rank speaks for its
-    tensor-parallel peers, which run the same batches (its outputs are kept, theirs not)."""
-
-    rank: int
-    size: int
-    primary: bool = True
-
-
-def data_shard(model: nn.Module) -> DataShard:
-    """This rank's data shard for ``model``: its ``dp_shard`` coordinate when the model is
-    tensor-parallel on a fastdist mesh, else its rank among all."""
-    for param in model.parameters():
-        mesh = getattr(param, "device_mesh", None)
-        names = getattr(mesh, "mesh_dim_names", None) or ()
-        if mesh is not None and DP in names and TP in names:
-            size = mesh.size(names.index(DP))
-            return DataShard(mesh.get_local_rank(DP), size, mesh.get_local_rank(TP) == 0)
-    return DataShard(get_rank(), get_world_size())
 
 
 def check_plan_option(tp: Any, tp_plan: Any) -> None:
@@ -235,11 +204,10 @@ def _head_counts(model: nn.Module, colwise: list[str]) -> list[tuple[str, str, i
 
 
 def apply_plan(
-    model: nn.Module, plan: dict[str, ParallelStyle] | Callable, mesh: DeviceMesh
+    model: nn.Module, plan: dict[str, ParallelStyle] | Callable, tp_mesh: DeviceMesh
 ) -> None:
-    """Parallelize ``model`` on the mesh's ``tp`` dimension (``parallelize_module``, or the
-    user's function); raise if no parameter became tensor-parallel."""
-    tp_mesh = mesh[TP]
+    """Parallelize ``model`` on ``tp_mesh`` (``parallelize_module``, or the user's function);
+    raise if no parameter became tensor-parallel."""
     if callable(plan):
         plan(model, tp_mesh)
     else:
@@ -249,38 +217,6 @@ def apply_plan(
             "tp_plan made no parameter tensor-parallel: its function must call torch's "
             "parallelize_module(model, tp_mesh, ...) on the modules to split"
         )
-
-
-#: The 2-D meshes made in this process, by device type and shape: kept for the process and
-#: reused, because torch's caches tell meshes apart by shape, not by their process groups
-#: (a second mesh of one shape would be mixed up with the first, and a destroyed first's
-#: groups looked up).
-_MESHES: dict[tuple[str, int, int], DeviceMesh] = {}
-
-
-def make_mesh(device_type: str, dp: int, tp: int, timeout: float | None) -> DeviceMesh:
-    """The 2-D mesh ``dp_shard`` x ``tp`` of all ranks (tensor-parallel peers adjacent: rank
-    ``r`` is ``dp_shard`` ``r // tp``, ``tp`` ``r % tp``), made once per process; its groups
-    time out like the first trainer's (``timeout`` seconds, ``None``: torch's default)."""
-    key = (device_type, dp, tp)
-    if key not in _MESHES:
-        override: dict[int | str, Any] | None = None
-        if timeout is not None:
-            override = {DP: _options(timeout), TP: _options(timeout)}
-        _MESHES[key] = init_device_mesh(
-            device_type, (dp, tp), mesh_dim_names=(DP, TP), backend_override=override
-        )
-    return _MESHES[key]
-
-
-def _options(timeout: float) -> Any:
-    """Process-group options of the default backend carrying ``timeout`` seconds."""
-    limit = datetime.timedelta(seconds=timeout)
-    if dist.get_backend() == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = limit
-        return options
-    return Backend.Options(dist.get_backend(), limit)
 
 
 def _sample(names: list[str]) -> str:

@@ -15,23 +15,26 @@ from torch.utils.data import Dataset, IterableDataset, Sampler
 from fastdist.callbacks.callback import Callback, state_keys
 from fastdist.checkpoint.export import check_format
 from fastdist.checks import check_instance, check_list, check_writable_dir, describe
+from fastdist.data import ShardedStream, TokenBatchSampler
 from fastdist.distributed.env import get_local_rank, get_world_size, visible_gpu_count
 from fastdist.evaluation.validator import as_metric_list, resolve_metric_key
+from fastdist.loggers.backend import Logger, check_loggers
 from fastdist.losses import Loss, as_loss_fn
 from fastdist.metrics import Metric
+from fastdist.strategies import Strategy, Topology
+from fastdist.strategies.registry import BY_NAME
 from fastdist.trainer.options import TrainerOptions
 
 #: DistTrainer keywords that became options of a strategy object: name -> (class, option).
 MOVED = {
-    "find_unused_parameters": ("DDP", "find_unused_parameters"),
-    "static_graph": ("DDP", "static_graph"),
-    "gradient_as_bucket_view": ("DDP", "gradient_as_bucket_view"),
-    "bucket_cap_mb": ("DDP", "bucket_cap_mb"),
     "ddp_comm_hook": ("DDP", "comm_hook"),
-    "average_every": ("DDP", "average_every"),
     "fsdp_wrap": ("FSDP", "wrap"),
-    "reshard_after_forward": ("FSDP", "reshard_after_forward"),
-    "cpu_offload": ("FSDP", "cpu_offload"),
+}
+# Every option of a strategy given to DistTrainer itself (tp=2): where it belongs.
+MOVED |= {
+    option: (cls.__name__, option)
+    for cls in BY_NAME.values()
+    for option in inspect.signature(cls).parameters
 }
 
 
@@ -50,6 +53,7 @@ class Arguments:
     larger_better: bool
     callbacks_all: list[Callback]
     callbacks_master: list[Callback]
+    loggers: list[Logger]
     sampler: Sampler | None
     batch_sampler: Sampler | None
     collate_fn: Callable | None
@@ -59,6 +63,19 @@ class Arguments:
     def stream(self) -> bool:
         """Whether ``train_data`` is a stream (an ``IterableDataset``)."""
         return isinstance(self.train_data, IterableDataset)
+
+
+def shard_data(train_data: Any, batch_sampler: Any, strategy: Strategy) -> int:
+    """Tell a token batch sampler this rank's data shard, which tensor-parallel peers share
+    (:class:`~fastdist.strategies.Topology`), and check a sharded stream's; return how many
+    data shards there are. Raises before any collective (the layout is known from the
+    environment)."""
+    shard = Topology.of(strategy).data_shard
+    if isinstance(batch_sampler, TokenBatchSampler):
+        batch_sampler.set_shard(shard.rank, shard.size)
+    if isinstance(train_data, ShardedStream):
+        train_data.check_shard(shard.rank, shard.size, get_world_size())
+    return shard.size
 
 
 def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
@@ -74,10 +91,11 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
         check_dataset("dev_data", dev_data)
     sampler, batch_sampler = given["sampler"], given["batch_sampler"]
     check_samplers(sampler, batch_sampler, stream, options.drop_last)
+    shards = shard_data(train_data, batch_sampler, options.strategy)
     if not stream:
         n_train = check_dataset("train_data", train_data)
         if sampler is None and batch_sampler is None:
-            n_rank = n_train // get_world_size()
+            n_rank = n_train // shards
             check_enough_samples(n_rank, options.batch_size_per_gpu, options.drop_last)
     metrics = check_metrics(given["metrics"], dev_data is not None, options.metric_key)
     metric_key, larger_better = resolve_metric_key(options.metric_key, metrics)
@@ -117,6 +135,7 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
         larger_better=larger_better,
         callbacks_all=callbacks[0],
         callbacks_master=callbacks[1],
+        loggers=check_loggers(given["loggers"]),
         sampler=sampler,
         batch_sampler=batch_sampler,
         collate_fn=collate_fn,
@@ -130,14 +149,23 @@ def reject_extra(extra: Mapping[str, Any], known: Collection[str]) -> None:
     for name, value in extra.items():
         if name in MOVED:
             cls, option = MOVED[name]
-            which = f"an option of fastdist.strategies.{cls}"
-            if option != name:
-                which = f"now the {option} option of fastdist.strategies.{cls}"
-            raise TypeError(f"{name} is {which}: strategy={cls}({option}={value!r})")
+            raise TypeError(
+                f"{name}= is an option of the strategy (fastdist.strategies.{cls}), not of "
+                f"DistTrainer: pass strategy={cls}({option}={_shown(value)})"
+            )
     for name in extra:
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         raise TypeError(f"DistTrainer got an unexpected keyword argument {name!r}{hint}")
+
+
+def _shown(value: Any) -> str:
+    """``value`` as it would be written in a script: classes by name (``[Block]``)."""
+    if isinstance(value, type):
+        return value.__name__
+    if isinstance(value, list | tuple) and all(isinstance(v, type) for v in value):
+        return "[" + ", ".join(v.__name__ for v in value) + "]"
+    return repr(value)
 
 
 def check_dataset(name: str, data: Any) -> int:

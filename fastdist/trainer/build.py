@@ -9,7 +9,7 @@ import datetime
 import os
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from torch import nn
 
 from fastdist.callbacks.callback import CallbackList
 from fastdist.callbacks.json_log import JSONLogCallback
+from fastdist.callbacks.run_log import RunLogCallback
 from fastdist.checkpoint import PER_RANK, Checkpointer, RandomState
 from fastdist.data import StreamBatches, TrainBatches
 from fastdist.data.feed import make_forward
@@ -38,9 +39,10 @@ from fastdist.distributed.storage import check_shared_dirs
 from fastdist.evaluation.best_model import BestModel
 from fastdist.evaluation.evaluator import Evaluator
 from fastdist.evaluation.validator import Validator
+from fastdist.loggers import JsonLogger
 from fastdist.logging import logger
 from fastdist.state import TrainerState
-from fastdist.strategies import DataShard, Strategy, data_shard
+from fastdist.strategies import DataShard, Strategy, Topology
 from fastdist.trainer.arguments import Arguments, check_all
 from fastdist.trainer.failure import install_excepthook
 from fastdist.trainer.loss_tracker import LossTracker
@@ -62,7 +64,12 @@ class World:
     size: int
     group: Any  # the trainer's process group (None: the default one)
     board: PositionBoard  # where every rank is, for failure reports
-    data: DataShard  # the shard of the data this rank trains and evaluates on
+    topology: Topology  # the layout of the ranks, which the strategy asked for
+
+    @property
+    def data(self) -> DataShard:
+        """The shard of the data this rank trains and evaluates on."""
+        return self.topology.data_shard
 
 
 @dataclass
@@ -97,7 +104,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
     options, device = args.options, args.device
     precision = Precision(options.amp, device)  # refuses fp16 without CUDA
     sigterm = SigtermFlag()  # refuses a bad FASTDIST_REQUEUE_SIGNAL
-    world = _form_world(options, device)
+    world = _form_world(options, device)  # the topology too: the strategy's layout
     model = args.model.to(device)
     forward = make_forward(model)  # from the signature, before compiling
     evaluate = make_forward(model, evaluation=True)  # the model's predict() if it has one
@@ -111,8 +118,8 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
         compile=options.compile,
         checkpointing=options.checkpointing,
         timeout=options.timeout,
+        topology=world.topology,
     )
-    world = replace(world, data=data_shard(model))  # tensor-parallel peers share a shard
     timer = RankTimer(device, world.rank, world.size)
     stream_group = new_gloo_group(options.timeout) if args.stream else None
     data = _batches(args, world, timer, stream_group)
@@ -133,7 +140,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
         loss_fn=args.loss_fn,
         precision=precision,
         data=data,
-        validator=_validator(args, strategy, evaluate, world.group),
+        validator=_validator(args, strategy, evaluate, world),
         callbacks=_callbacks(args, world.rank == 0),
         checkpointer=_checkpointer(options, world.group, state),
         rng=RandomState(world.rank),
@@ -170,7 +177,8 @@ def _form_world(options: TrainerOptions, device: torch.device) -> World:
     group = None  # a group of our own bounds every wait of the trainer by the timeout
     if is_distributed() and options.timeout is not None:
         group = dist.new_group(timeout=datetime.timedelta(seconds=options.timeout))
-    return World(device, rank, size, group, PositionBoard(rank, size), DataShard(rank, size))
+    topology = Topology.of(options.strategy, device.type, group, options.timeout)
+    return World(device, rank, size, group, PositionBoard(rank, size), topology)
 
 
 def _batches(args: Arguments, world: World, timer: RankTimer, stream_group: Any) -> Batches:
@@ -217,7 +225,7 @@ def _batches(args: Arguments, world: World, timer: RankTimer, stream_group: Any)
     )
 
 
-def _validator(args: Arguments, strategy: Strategy, forward: Any, group: Any) -> Validator:
+def _validator(args: Arguments, strategy: Strategy, forward: Any, world: World) -> Validator:
     options = args.options
     evaluator = Evaluator(
         strategy.eval_module,
@@ -228,8 +236,9 @@ def _validator(args: Arguments, strategy: Strategy, forward: Any, group: Any) ->
         options.eval_batch_size,
         options.num_workers,
         args.collate_fn,
-        group,
+        world.group,
         worker_context(options.multiprocessing_context) if options.num_workers else None,
+        world.topology,
     )
     best = BestModel(
         strategy, options.save_path, options.load_best_model, options.best_model_format
@@ -240,11 +249,17 @@ def _validator(args: Arguments, strategy: Strategy, forward: Any, group: Any) ->
 
 
 def _callbacks(args: Arguments, is_master: bool) -> CallbackList:
-    """The callback lists; with a ``save_path``, a JSON log of the run unless one is given."""
-    master = list(args.callbacks_master)
+    """The callback lists, the loggers' component last; with a ``save_path``, a JSON log of the
+    run (``log.jsonl``) unless one is given."""
+    master, loggers = list(args.callbacks_master), list(args.loggers)
     given = args.callbacks_all + master
-    if args.options.save_path and not any(isinstance(cb, JSONLogCallback) for cb in given):
-        master.append(JSONLogCallback())  # the run's record: save_path/log.jsonl
+    has_json = any(isinstance(b, JsonLogger) for b in loggers) or any(
+        isinstance(cb, JSONLogCallback) for cb in given
+    )
+    if args.options.save_path and not has_json:
+        loggers.append(JsonLogger())  # the run's record: save_path/log.jsonl
+    if loggers:
+        master.append(RunLogCallback(loggers, state_key="loggers"))
     return CallbackList(args.callbacks_all, master, is_master, guard_master=is_distributed())
 
 

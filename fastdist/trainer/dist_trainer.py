@@ -12,8 +12,10 @@ from torch import nn
 from torch.utils.data import Dataset, Sampler
 
 from fastdist.callbacks.callback import Callback
+from fastdist.distributed.position import enter_on_every_rank
 from fastdist.evaluation.predict import predict as run_predict
-from fastdist.strategies import Strategy
+from fastdist.loggers import Logger
+from fastdist.strategies import Strategy, Topology
 from fastdist.trainer.build import build
 from fastdist.trainer.loop import Loop
 from fastdist.trainer.preemption import SIGTERM_EXIT_CODE
@@ -35,6 +37,10 @@ class DistTrainer:
             update is normalised by its count over all ranks and micro-batches.
         callbacks_all: callbacks run on every rank (learning rate, clipping, early stop).
         callbacks_master: callbacks run on rank 0 only (logging, saving); no collectives.
+        loggers: where the run's record goes, beside ``log.jsonl``: backends of
+            :mod:`fastdist.loggers` (``TensorBoardLogger()``, ``MLflowLogger(...)``,
+            ``WandbLogger(...)``, ...). They run on rank 0; one that fails is named in a
+            warning and dropped, and training goes on.
         batch_size_per_gpu: micro-batch size of each process; the global batch of one update
             is ``batch_size_per_gpu * world_size * update_every`` (under tensor parallelism
             peers run the same batches: ``world_size / tp`` for ``world_size``).
@@ -80,7 +86,8 @@ class DistTrainer:
         check_sync_every: every N updates (and at the end) compare a checksum of the
             parameters every rank holds a copy of across ranks and raise on the first that
             differs; 0 turns it off. (Under local SGD they are compared where they agree; under
-            FSDP each parameter has one copy: there is nothing to compare.)
+            FSDP each parameter has one copy: there is nothing to compare; under HSDP the
+            replica groups' shards are compared: ``topology.copies``.)
         checkpoint_every: write a checkpoint every N optimizer updates as well as at every
             epoch end (0: epoch ends only).
         checkpoint_dir: where checkpoints go; default ``<save_path>/checkpoints``; with
@@ -106,8 +113,8 @@ class DistTrainer:
             model; bucket size, communication hooks, local SGD), ``"fsdp"`` =
             :class:`~fastdist.strategies.FSDP` ``()`` (torch's ``fully_shard``: parameters,
             gradients and optimizer state sharded; which blocks, resharding, CPU offload,
-            tensor parallelism on a 2-D mesh: ``FSDP(tp=2, tp_plan=...)``), or such an
-            object, e.g. ``DDP(comm_hook="powersgd")``.
+            tensor parallelism: ``FSDP(tp=2, tp_plan=...)``, HSDP: ``FSDP(replicate=2)``), or
+            such an object, e.g. ``DDP(comm_hook="powersgd")``.
         slow_rank_threshold: rank 0 warns when a rank's time per update (data loading +
             compute, see :mod:`fastdist.trainer.timing`) exceeds the median over ranks by more
             than this fraction; 0 turns the warning off (the per-rank figures are still
@@ -118,6 +125,9 @@ class DistTrainer:
         model, optimizer: the model (on its device) and the optimizer stepping it.
         options: the options above, checked (:class:`~fastdist.trainer.options.TrainerOptions`).
         strategy: the :class:`~fastdist.strategies.Strategy` running the model.
+        topology: the layout of the ranks it asked for
+            (:class:`~fastdist.strategies.Topology`): this rank's data shard, whether it holds
+            the loss, which ranks hold copies of the parameters, the mesh of each dimension.
         rank, world_size, is_master, device: this process's place in the job.
         callbacks_all, callbacks_master: the callback lists (a JSON log added to the second
             when there is a ``save_path`` and none was given).
@@ -175,6 +185,7 @@ class DistTrainer:
         activation_checkpointing: bool | str = False,
         strategy: str | Strategy = "ddp",
         slow_rank_threshold: float = 0.1,
+        loggers: Sequence[Logger] | None = None,
         **unknown: Any,
     ) -> None:
         given = {k: v for k, v in locals().items() if k not in ("self", "unknown")}
@@ -188,6 +199,11 @@ class DistTrainer:
         self.callbacks_master = run.callbacks.callbacks_master  # run on rank 0 only
         self.data = run.data  # this rank's batches (their loader: self.data.loader)
         self._loop = Loop(run, self)
+
+    @property
+    def topology(self) -> Topology:
+        """The layout of the ranks (read-only; see the class's attributes)."""
+        return self._loop.world.topology
 
     @property
     def best_model_path(self) -> str | None:
@@ -245,7 +261,8 @@ class DistTrainer:
             >>> trainer.save_model("out/model", format="hf")  # on every rank
             >>> GPT2LMHeadModel.from_pretrained("out/model")
         """
-        return run_save_model(self.strategy, path, format, self._loop.world.group)
+        group, timeout = self._loop.world.group, self.options.timeout
+        return run_save_model(self.strategy, path, format, group, timeout)
 
     def predict(
         self,
@@ -264,6 +281,7 @@ class DistTrainer:
         """
         board = self._loop.world.board
         board.publish(phase="predict")
+        enter_on_every_rank("predict", self.options.timeout)  # before_evaluation may broadcast
         self.strategy.before_evaluation()  # as evaluate() does
         kwargs.setdefault("collate_fn", self._loop.run.validator.evaluator.collate_fn)
         kwargs.setdefault("num_workers", self.options.num_workers)
@@ -276,6 +294,7 @@ class DistTrainer:
                 output_path=output_path,
                 device=self.device,
                 group=self._loop.world.group,
+                topology=self.topology,
                 **kwargs,
             )
         finally:

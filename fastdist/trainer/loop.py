@@ -7,7 +7,7 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from fastdist.distributed import broadcast_object
 from fastdist.logging import logger
 from fastdist.trainer.build import Run
 from fastdist.trainer.failure import report_failure
-from fastdist.trainer.preemption import SIGTERM_EXIT_CODE, requeue
+from fastdist.trainer.preemption import report_preempted, requeue
 from fastdist.trainer.progress import Progress
 from fastdist.trainer.safety import all_finite, check_in_sync, failing_ranks
 from fastdist.trainer.sync import Agreement
@@ -38,6 +38,7 @@ class Loop:
         self.precision, self.losses, self.timer = run.precision, run.losses, run.timer
         self.options = run.options
         self.progress = Progress(show=False, use_tqdm=False, total=0, initial=0, global_batch=0)
+        self.stop_logged = False  # the stop is logged once per run
         run.callbacks.set_trainer(trainer)
 
     def train_epochs(self) -> Agreement:
@@ -68,6 +69,8 @@ class Loop:
                 if state.is_update and self._optimizer_step():
                     if state.global_step % self.options.print_every == 0:
                         agreed = self.sync(read_loss=True)  # on_step_end sees the fresh loss
+                    elif run.sync.check_due(state.global_step):  # log steps far apart
+                        agreed = self.sync(signals_only=True)
                     callbacks.on_step_end()
                     if run.validator.due_after_update(state.global_step):
                         agreed = self._validate()
@@ -145,9 +148,8 @@ class Loop:
         self.progress.update()
         every = self.options.check_sync_every
         if every and state.global_step % every == 0:
-            check_in_sync(
-                self.strategy.replicas(state.global_step), state.global_step, self.world.group
-            )
+            replicas = self.strategy.replicas(state.global_step)
+            check_in_sync(replicas, state.global_step, self.world.group, self.world.topology.copies)
         return True
 
     def _warn_skipped(self) -> None:
@@ -162,13 +164,16 @@ class Loop:
             culprits,
         )
 
-    def sync(self, read_loss: bool = False, check_model: bool = False) -> Agreement:
-        """A sync point (see :mod:`fastdist.trainer.sync`); record what it returns: the mean
-        loss (logged), the ranks' timings, the stop."""
-        state = self.state
-        agreed = self.run.sync.agree(
-            state.global_step, state.stop_requested, read_loss, check_model
-        )
+    def sync(
+        self, read_loss: bool = False, check_model: bool = False, signals_only: bool = False
+    ) -> Agreement:
+        """A sync point (see :mod:`fastdist.trainer.sync`; ``signals_only``: a signal check);
+        record what it returns: the mean loss (logged), the ranks' timings, the stop."""
+        state, sync = self.state, self.run.sync
+        if signals_only:
+            agreed = sync.check(state.global_step, state.stop_requested)
+        else:
+            agreed = sync.agree(state.global_step, state.stop_requested, read_loss, check_model)
         if agreed.rank_times is not None:
             times, updates = agreed.rank_times
             state.rank_times = [t.as_dict() for t in times]
@@ -181,7 +186,8 @@ class Loop:
         state.stop_requested = agreed.stop_requested
         if agreed.preempted:
             self.run.sigterm.settle()  # every rank is here: the checkpoint may take its time
-        if agreed.stop:
+        if agreed.stop and not self.stop_logged:
+            self.stop_logged = True
             why = "SIGTERM received" if agreed.preempted else "stop requested"
             why = "the requeue signal received" if agreed.requeue else why
             logger.info("%s; stopping at step %d", why, state.global_step)
@@ -235,15 +241,12 @@ class Loop:
                 "train mode (dropout on) and is put back in eval mode after training"
             )
         self._begin(self.run.checkpointer.restore(resume))
+        self.stop_logged = False
         try:
             with self.run.sigterm.watching(), self.timer.hooked(self.model):
                 agreed = self.train_epochs()
-            if agreed.preempted:
-                self._save_checkpoint()
-                logger.warning("pre-empted: checkpoint written at step %d", state.global_step)
-                if agreed.requeue:  # SLURM's time-limit signal: the job runs again, resumed
-                    requeue(self.world.rank == 0, self.run.checkpointer.dir is not None)
-                raise SystemExit(SIGTERM_EXIT_CODE)
+                if agreed.preempted:  # still watching: a second signal must not stop the write
+                    self._save_preempted(agreed)
             self._end()
         except Exception as exc:
             report_failure(exc, self.where(), options.timeout)
@@ -261,6 +264,20 @@ class Loop:
         }
         self.world.board.publish(phase="finished")
         return broadcast_object(result, group=self.world.group)
+
+    def _save_preempted(self, agreed: Agreement) -> NoReturn:
+        """The pre-emption: rank 0 writes a checkpoint, which every rank waits for; requeue the
+        SLURM job if its signal came; exit with 143."""
+        path = None
+        if self.run.checkpointer.dir is not None:
+            self.sync(check_model=True)
+            with self.timer.paused():
+                path = self.run.checkpointer.save(self.state.global_step)
+        path = broadcast_object(path, group=self.world.group)  # sent after rank 0's write
+        report_preempted(self.state.global_step, path, self.world.rank == 0)
+        if agreed.requeue:  # SLURM's time-limit signal: the job runs again, resumed
+            requeue(self.world.rank == 0, path is not None)
+        self.run.sigterm.exit()
 
     def _begin(self, resumed: Resumed | None) -> None:
         """Continue from a restored checkpoint, count the updates left, log the plan."""
@@ -332,9 +349,8 @@ class Loop:
         self.sync(check_model=True)
         self.run.slow_ranks.summary()
         if self.options.check_sync_every:
-            check_in_sync(
-                self.strategy.replicas(state.global_step), state.global_step, self.world.group
-            )
+            replicas = self.strategy.replicas(state.global_step)
+            check_in_sync(replicas, state.global_step, self.world.group, self.world.topology.copies)
         if self.options.load_best_model and state.best_eval is not None:
             self.run.validator.best.load(self.world.rank == 0)
             logger.info(

@@ -8,16 +8,21 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from fastdist.distributed.slurm import requeue_job, requeue_signal
 from fastdist.logging import logger
 
-#: Seconds a rank waits, after SIGTERM, for the ranks to agree to stop (at the next log step,
-#: evaluation or checkpoint) before it exits on its own: less than the 30 s torchrun leaves
-#: before SIGKILL, which it sends once a rank failed and the others are stopped.
+#: Seconds a rank waits, after SIGTERM, for the ranks to agree to stop (at the next sync point)
+#: before it exits on its own: less than the 30 s torchrun leaves before SIGKILL, which it
+#: sends once a rank failed and the others are stopped.
 GRACE_S = 20.0
+#: Seconds of training, at most, between two sync points that agree on the signals: where log
+#: steps are further apart, the ranks also check in between (a few numbers, one all-reduce), so
+#: that a signal is acted on well within torchrun's 30 s ``--shutdown-timeout``.
+CHECK_S = 5.0
 #: The exit code of a rank stopped by SIGTERM: 128 + 15, as if killed by the signal.
 SIGTERM_EXIT_CODE = 143
 
@@ -40,8 +45,10 @@ class SigtermFlag:
         self.received = False
         self.requeue = False
         self.requeue_signal = requeue_signal()
+        self.checks = SignalChecks()
         self._deadline: threading.Timer | None = None
         self._settled = False
+        self._exiting = False
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -59,13 +66,15 @@ class SigtermFlag:
                 self._deadline.start()
 
         self._settled = False
+        self.checks = SignalChecks()  # a new run sets its own pace
         watched = [signal.SIGTERM] + ([self.requeue_signal] if self.requeue_signal else [])
         previous = {signum: signal.signal(signum, note) for signum in watched}
         try:
             yield
         finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            if not self._exiting:
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
             self.settle()
 
     def settle(self) -> None:
@@ -74,6 +83,73 @@ class SigtermFlag:
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+
+    def exit(self) -> NoReturn:
+        """End the process with :data:`SIGTERM_EXIT_CODE` after the pre-emption checkpoint.
+
+        The signals stay ignored until the process is gone: torchrun sends SIGTERM to the ranks
+        still running once one has exited, and it must not turn their 143 into -15.
+        """
+        self._exiting = True
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.requeue_signal:
+            signal.signal(self.requeue_signal, signal.SIG_IGN)
+        raise SystemExit(SIGTERM_EXIT_CODE)
+
+
+class SignalChecks:
+    """When the ranks next agree on the signals between log steps.
+
+    At every sync point rank 0 proposes the update about :data:`CHECK_S` seconds of training
+    ahead, from its own pace since the last proposal, and at most twice as far as that
+    interval; the sync's all-reduce (a sum, to which the other ranks give 0) brings the same
+    step to every rank. The first check comes after the second update of a run.
+    """
+
+    def __init__(self) -> None:
+        self.next_step: int | None = None
+        self._mark: tuple[float, int] | None = None  # rank 0's (time, step) of the last proposal
+
+    def due(self, step: int) -> bool:
+        """Whether the ranks check for signals after update ``step`` (the same on every rank)."""
+        if self.next_step is None:
+            self.next_step, self._mark = step + 1, (time.monotonic(), step)
+        return step >= self.next_step
+
+    def proposal(self, step: int, rank: int) -> float:
+        """This rank's share of the next check's step (rank 0's proposal; 0 elsewhere)."""
+        if rank != 0:
+            return 0.0
+        now = time.monotonic()
+        if self._mark is None:  # nothing measured yet: check after the next update
+            self._mark = (now, step)
+            return float(step + 1)
+        if step <= self._mark[1] and self.next_step is not None:  # no update since: no new pace
+            return float(self.next_step)
+        since = max(step - self._mark[1], 1)
+        pace = (now - self._mark[0]) / since  # seconds per update
+        self._mark = (now, step)
+        # At most twice as far as the last interval: a pace that slows down is seen soon.
+        return float(step + max(1, min(int(CHECK_S / max(pace, 1e-9)), 2 * since)))
+
+    def agreed(self, next_step: float) -> None:
+        """The step the sync's all-reduce brought: the next check."""
+        self.next_step = int(next_step)
+
+
+def report_preempted(step: int, path: str | None, is_master: bool) -> None:
+    """Log, on every rank, what rank 0 did at the pre-emption (``path``: what it wrote, which
+    every rank learned from it after the write, or ``None``)."""
+    if path is None:
+        logger.warning(
+            "pre-empted at step %d without a checkpoint (no save_path or checkpoint_dir): a "
+            "new run starts over",
+            step,
+        )
+    elif is_master:
+        logger.warning("pre-empted: checkpoint written at step %d: %s", step, path)
+    else:
+        logger.warning("pre-empted at step %d: rank 0 wrote the checkpoint %s", step, path)
 
 
 def requeue(is_master: bool, checkpointed: bool) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,17 +25,20 @@ def failing_ranks(failure: Any, group: Any) -> dict[int, Any]:
     return {rank: found for rank, found in enumerate(everyone) if found is not None}
 
 
-def check_in_sync(replicas: list[tuple[str, torch.Tensor]], step: int, group: Any) -> None:
-    """Compare a checksum of every replicated tensor (``(name, tensor)``, the same on every
-    rank: :meth:`~fastdist.strategies.Strategy.replicas`) across ranks; raise on the first
-    that differs. Nothing to compare (FSDP: one copy of each parameter): no collective."""
+def check_in_sync(
+    replicas: list[tuple[str, torch.Tensor]], step: int, group: Any, copies: list[list[int]]
+) -> None:
+    """Compare a checksum of every replicated tensor (``(name, tensor)``, the same within each
+    group of ``copies``: :meth:`~fastdist.strategies.Strategy.replicas`,
+    :attr:`~fastdist.strategies.Topology.copies`) across ranks; raise on every rank on the
+    first that differs. Nothing to compare (FSDP: one copy of each parameter): no collective."""
     if not replicas:
         return
     sums = [float(t.detach().double().sum()) for _, t in replicas]
     everyone = all_gather_object(sums, group)
-    for i, (name, _) in enumerate(replicas):
-        values = [rank_sums[i] for rank_sums in everyone]
-        if len(set(values)) > 1:
+    for (i, (name, _)), ranks in itertools.product(enumerate(replicas), copies):
+        values = {rank: everyone[rank][i] for rank in ranks}
+        if len(set(values.values())) > 1:
             raise RuntimeError(
                 f"parameter {name!r} differs across ranks at step {step} (checksums by rank: "
                 f"{values}): code running on some ranks only (e.g. in callbacks_master) changed "

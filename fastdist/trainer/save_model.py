@@ -9,18 +9,23 @@ from typing import Any
 
 from fastdist.checkpoint.export import check_format, check_path, check_target, write_model
 from fastdist.distributed import broadcast_object, get_rank
+from fastdist.distributed.position import enter_on_every_rank
 from fastdist.strategies import Strategy
 
 
-def save_model(strategy: Strategy, path: str | os.PathLike, format: str, group: Any) -> str:
+def save_model(
+    strategy: Strategy, path: str | os.PathLike, format: str, group: Any, timeout: float | None
+) -> str:
     """Gather the whole model where it is sharded; rank 0 writes it to ``path`` atomically.
 
-    Bad arguments raise alike on every rank before any collective; a ``path`` rank 0 cannot
-    write to raises on every rank before the weights are gathered, and so does a failed
-    write after. Return ``path`` as a ``str``.
+    Bad arguments raise alike on every rank before any collective, and so does a call some
+    rank does not make (at once where that rank's script ended, else after ``timeout``
+    seconds); a ``path`` rank 0 cannot write to raises on every rank before the weights are
+    gathered, and so does a failed write after. Return ``path`` as a ``str``.
     """
     path = check_path(path)
     check_format("format", format, strategy.model)
+    enter_on_every_rank("save_model", timeout)
     _on_rank_zero(lambda: check_target("path", path, format), group)
     strategy.before_evaluation()  # one model: e.g. local SGD's ranks averaged, as evaluated
     weights = strategy.full_state_dict()  # on rank 0; a collective where sharded

@@ -2,9 +2,13 @@
 
 At a log step, before and after an evaluation, at a checkpoint and at the end of training,
 every rank contributes its training-loss sum and count, its flags (stop requested, SIGTERM
-received, requeue signal received, non-finite parameters) and its time split (see
-:mod:`fastdist.trainer.timing`); one all-reduce of ``6 + 3 * world_size`` numbers gives every
-rank all of them. The caller acts on the returned :class:`Agreement`; nothing is set behind its
+received, requeue signal received, non-finite parameters), rank 0's proposal of the next signal
+check and its time split (see :mod:`fastdist.trainer.timing`); one all-reduce of
+``7 + 3 * world_size`` numbers gives every rank all of them. Between log steps further apart
+than :data:`~fastdist.trainer.preemption.CHECK_S` seconds, a signal check agrees on the flags
+alone (4 numbers), so that a pre-emption is acted on within seconds.
+
+The caller acts on the returned :class:`Agreement`; nothing is set behind its
 back, and nothing agreed here is ever checkpointed.
 """
 
@@ -93,16 +97,15 @@ class Sync:
         self.board.publish(step=step, phase="sync")
         params = self.model.parameters()
         bad_model = check_model and not all_finite(p.detach() for p in params)
-        sigterm = self.sigterm
-        flags = [float(stop_requested), float(sigterm.received), float(sigterm.requeue)]
-        flags.append(float(bad_model))
+        flags = self._flags(step, stop_requested) + [float(bad_model)]
         numbers = torch.tensor(
             flags + self.timer.payload(), dtype=torch.float64, device=self.device
         )
         stats = torch.cat([self.losses.pending(), numbers])
         with self.timer.collective_wait():
             reduced = all_reduce_sum(stats, self.group).tolist()
-        loss_sum, count, stop, preempted, requeue, bad_models = reduced[:6]
+        loss_sum, count, stop, preempted, requeue, next_check, bad_models = reduced[:7]
+        self.sigterm.checks.agreed(next_check)
         self.board.move(phase="train")
         if bad_models or (self.raise_nonfinite and not math.isfinite(loss_sum)):
             self._raise_nonfinite(bad_model, step)
@@ -115,8 +118,37 @@ class Sync:
             preempted=preempted > 0,
             requeue=requeue > 0,
             loss=loss,
-            rank_times=self.timer.received(reduced[6:]),
+            rank_times=self.timer.received(reduced[7:]),
         )
+
+    def check_due(self, step: int) -> bool:
+        """Whether the ranks check for signals after update ``step`` (see :meth:`check`)."""
+        return self.sigterm.checks.due(step)
+
+    def check(self, step: int, stop_requested: bool) -> Agreement:
+        """A signal check: one all-reduce of the flags alone (and the next check's step), no
+        loss read, no time split; every rank must call it at the same update."""
+        self.board.publish(step=step, phase="sync")
+        flags = torch.tensor(self._flags(step, stop_requested), dtype=torch.float64)
+        with self.timer.collective_wait():
+            stop, preempted, requeue, next_check = all_reduce_sum(
+                flags.to(self.device), self.group
+            ).tolist()
+        self.sigterm.checks.agreed(next_check)
+        self.board.move(phase="train")
+        return Agreement(
+            stop_requested=stop > 0,
+            preempted=preempted > 0,
+            requeue=requeue > 0,
+            loss=None,
+            rank_times=None,
+        )
+
+    def _flags(self, step: int, stop_requested: bool) -> list[float]:
+        """Stop requested, signals received, and rank 0's proposal of the next check."""
+        sigterm = self.sigterm
+        flags = [float(stop_requested), float(sigterm.received), float(sigterm.requeue)]
+        return flags + [sigterm.checks.proposal(step, self.board.rank)]
 
     def _raise_nonfinite(self, bad_model: bool, step: int) -> NoReturn:
         """Raise on every rank (all are here, agreed), naming who saw what where."""

@@ -1,31 +1,60 @@
-"""Worker for tests/test_resume.py: ``train(resume=...)`` with checkpoint files made wrong.
+"""Worker for tests/test_resume.py and tests/test_disk_full.py: ``train(resume=...)`` with
+checkpoint files made wrong, or a disk that fills up.
 
 Usage (under torchrun)::
 
     checkpoint_worker.py CASES_JSON OUT_DIR
 
 ``CASES_JSON`` lists ``{"name", "config", "save_path", "resume"}`` (``resume``: ``"auto"``,
-``false`` or a path); the cases run in order in one process (group), each a trainer of
-resume_worker.py's ``config`` that trains with ``train(resume=...)``. Rank R writes
+``false`` or a path; an optional ``"fill": [STEP, FILE]`` makes rank 0 fill the checkpoints'
+filesystem with ``FILE`` after update STEP, leaving half a checkpoint's space); the cases
+run in order in one process (group), each a trainer of resume_worker.py's ``config`` that
+trains with ``train(resume=...)``. Rank R writes
 ``OUT_DIR/<name>.rank<R>.json``: ``{"error": "<type>: <message>"}`` when ``train()`` raised,
 else the step it started at and its final parameters (this rank's shards).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from workers.resume_worker import IdLog, build_trainer, flat_params, write_json
 
-from fastdist import get_rank
+from fastdist import Callback, get_rank
+
+
+class FillDisk(Callback):
+    """After update ``step`` (its checkpoint written), fill the filesystem of ``filler`` with
+    it, but for half the size of that checkpoint: the next checkpoint fails part-written."""
+
+    def __init__(self, step: int, filler: str, checkpoints: Path) -> None:
+        self.step, self.filler, self.checkpoints = step, filler, checkpoints
+
+    def on_batch_end(self) -> None:
+        if self.trainer.state.global_step != self.step or os.path.exists(self.filler):
+            return
+        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            for block in (b"\0" * (1 << 16), b"\0" * (1 << 12)):
+                with contextlib.suppress(OSError):  # ENOSPC: then the smaller blocks
+                    while True:
+                        os.write(fd, block)
+        finally:
+            os.close(fd)
+        spare = (self.checkpoints / f"step-{self.step:08d}.pt").stat().st_size // 2
+        os.truncate(self.filler, os.path.getsize(self.filler) - spare)
 
 
 def run_case(case: dict[str, Any], out: Path) -> dict[str, Any]:
     ids = IdLog(out / f"{case['name']}.rank{get_rank()}.ids.jsonl")
-    trainer = build_trainer(case["config"], Path(case["save_path"]), callbacks=[ids])
+    save_path = Path(case["save_path"])
+    fill = [] if "fill" not in case else [FillDisk(*case["fill"], save_path / "checkpoints")]
+    trainer = build_trainer(case["config"], save_path, callbacks=[ids], callbacks_master=fill)
     try:
         trainer.train(resume=case["resume"])
     except Exception as exc:  # the outcome under test: the same on every rank

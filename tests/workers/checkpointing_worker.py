@@ -3,13 +3,14 @@
 
 Usage::
 
-    checkpointing_worker.py OUT_DIR
+    checkpointing_worker.py OUT_DIR [batchnorm]
 
-Writes ``OUT_DIR/rank<R>.json``: for each strategy and setting, the final parameters (rank 0,
-gathered), the peak memory of ``train()`` over the resident memory before it (``VmHWM``
-after resetting it with ``/proc/self/clear_refs``, minus ``VmRSS``; the lower of two runs),
-that plus the parameters held, and ``fastdist.estimate_memory``'s peak for the same
-configuration, in bytes.
+Writes ``OUT_DIR/rank<R>.json``: with ``batchnorm``, under DDP, the final state (parameters
+and buffers, rank 0) of a model with BatchNorm in its blocks, with and without checkpointing;
+else for each strategy and setting, the final parameters (rank 0, gathered), the peak memory
+of ``train()`` over the resident memory before it (``VmHWM`` after resetting it with
+``/proc/self/clear_refs``, minus ``VmRSS``; the lower of two runs), that plus the parameters
+held, and ``fastdist.estimate_memory``'s peak for the same configuration, in bytes.
 """
 
 from __future__ import annotations
@@ -56,6 +57,46 @@ class Deep(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.out(h)
+
+
+class Normed(nn.Module):
+    """Blocks holding BatchNorm, whose running statistics the recompute must not update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(DIM, 16)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU()) for _ in range(2)
+        )
+        self.out = nn.Linear(16, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x.float())
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def batchnorm_state(checkpointing: bool) -> dict[str, list[float]] | None:
+    """Train :class:`Normed` for 4 micro-batches under DDP; its final state on rank 0."""
+    model = Normed()
+    trainer = DistTrainer(
+        ToyData(16 * 2 * 4),
+        model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loss=CrossEntropyLoss(),
+        batch_size_per_gpu=16,
+        n_epochs=1,
+        print_every=10_000,
+        use_tqdm=False,
+        device="cpu",
+        strategy="ddp",
+        activation_checkpointing=checkpointing,
+    )
+    trainer.train()
+    full = trainer.strategy.full_state_dict()
+    return None if full is None else {k: v.flatten().tolist() for k, v in full.items()}
 
 
 def run(strategy: str, checkpointing: bool | str) -> dict[str, Any]:
@@ -108,6 +149,9 @@ def lowest_peak(strategy: str, checkpointing: bool | str) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     out = Path(argv[1])
+    if argv[2:] == ["batchnorm"]:
+        write_json(out, {f"batchnorm-{s}": batchnorm_state(s) for s in (False, True)})
+        return 0
     run("ddp", False)  # warm-up: the first training of a process allocates for good
     results = {
         f"{strategy}-{setting}": lowest_peak(strategy, setting)

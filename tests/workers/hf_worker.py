@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,7 @@ def train_hf(strategy: str, pretrained: Path, out: Path) -> dict[str, Any]:
         logits = model(probe()).logits  # FSDP: a collective, every rank runs it
     if trainer.is_master:
         torch.save(logits, out / "logits.pt")
+    spellings = save_pretrained_idiom(model, out, every_rank=strategy == "fsdp")
     names = {"hf": "hf", "torch": "model.pt", "safetensors": "model.safetensors"}
     paths = {format: trainer.save_model(out / name, format) for format, name in names.items()}
     return {
@@ -124,7 +126,25 @@ def train_hf(strategy: str, pretrained: Path, out: Path) -> dict[str, Any]:
         "best_eval": result["best_eval"],
         "best_model_path": trainer.best_model_path,
         "saved": paths,
+        "save_pretrained": spellings,
     }
+
+
+def save_pretrained_idiom(model: GPT2LMHeadModel, out: Path, every_rank: bool) -> dict[str, Any]:
+    """``model.save_pretrained(dir)`` after training, under ``if rank == 0`` and then (with
+    ``every_rank``) on every rank: the error each call raised (``None``: none), its seconds."""
+    spellings: dict[str, Any] = {}
+    for spelling in ("rank0", "every_rank") if every_rank else ("rank0",):
+        if spelling == "rank0" and get_rank() != 0:
+            continue
+        start = time.monotonic()
+        try:
+            model.save_pretrained(out / f"save_pretrained_{spelling}")
+            error = None
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        spellings[spelling] = {"error": error, "seconds": time.monotonic() - start}
+    return spellings
 
 
 def logged_loss(update_every: int = 1) -> dict[int, float]:

@@ -4,7 +4,7 @@ Usage (under torchrun, with or without restarts, or as a plain process)::
 
     resume_worker.py OUT_DIR CONFIG[,CONFIG...] [--tag TAG] [--checkpoint-every K] [--batch B]
         [--kill-at M --kill-how exit|sigkill]
-        [--sigterm-at S --sigterm-rank all|R]
+        [--sigterm-at S --sigterm-rank all|R [--sigterm-again]]
 
 Each CONFIG of :data:`CONFIGS` trains a float64 MLP with dropout (SGD with momentum, a
 learning-rate callback) from a fixed seed with ``save_path=OUT_DIR/CONFIG``, so its checkpoints
@@ -30,6 +30,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
@@ -132,7 +133,9 @@ class IdLog(Callback):
 
 
 class Faults(Callback):
-    """Kills rank 1 before micro-batch ``kill_at``; sends SIGTERM after update ``sigterm_at``."""
+    """Kills rank 1 before micro-batch ``kill_at``; sends SIGTERM after update ``sigterm_at``
+    and, with ``again``, once more to rank 0 while it writes the checkpoint, which then takes
+    2 s longer (this callback's state is asked for there, on rank 0)."""
 
     def __init__(
         self,
@@ -140,11 +143,13 @@ class Faults(Callback):
         kill_how: str = "exit",
         sigterm_at: int | None = None,
         sigterm_rank: str = "all",
+        again: bool = False,
     ) -> None:
         self.kill_at = kill_at
         self.kill_how = kill_how
         self.sigterm_at = sigterm_at
         self.sigterm_rank = sigterm_rank
+        self.again = again
         self.micro_batches = 0
 
     def on_batch_begin(self, batch: Any) -> None:
@@ -160,6 +165,12 @@ class Faults(Callback):
             return
         if self.sigterm_rank in ("all", str(get_rank())):
             os.kill(os.getpid(), signal.SIGTERM)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.again and self.trainer.state.global_step > (self.sigterm_at or 0):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(2)
+        return {}
 
 
 def build_trainer(
@@ -216,7 +227,9 @@ def run(config: str, args: argparse.Namespace) -> None:
     ids = IdLog(directory / f"{prefix}.ids.jsonl")
     faults = Faults()
     if first_attempt():
-        faults = Faults(args.kill_at, args.kill_how, args.sigterm_at, args.sigterm_rank)
+        faults = Faults(
+            args.kill_at, args.kill_how, args.sigterm_at, args.sigterm_rank, args.sigterm_again
+        )
     # The same callbacks in every attempt: a checkpoint holds one state per callback.
     trainer = build_trainer(config, directory, args.checkpoint_every, [ids, faults], args.batch)
     try:
@@ -251,6 +264,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kill-how", choices=("exit", "sigkill"), default="exit")
     parser.add_argument("--sigterm-at", type=int, default=None)
     parser.add_argument("--sigterm-rank", default="all")
+    parser.add_argument("--sigterm-again", action="store_true")
     args = parser.parse_args(argv[1:])
     for config in args.configs.split(","):
         run(config, args)

@@ -28,7 +28,7 @@ from workers.trainer_worker import ToyData, write_json
 from fastdist import AccuracyMetric, Callback, CrossEntropyLoss, DistTrainer, LossMetric, get_rank
 from fastdist.callbacks import GradientClipCallback
 from fastdist.strategies import FSDP
-from fastdist.strategies.tensor_parallel import _MESHES
+from fastdist.strategies.topology import _MESHES
 
 PLAN = {"blocks.0": "colwise", "blocks.1": "rowwise"}  # hidden features split, then summed
 KILL_AT = 3  # the 2x2 run's rank 1 dies before this update's first micro-batch, once

@@ -346,8 +346,29 @@ def case_evaluate(out: Path) -> dict[str, Any]:
     return results
 
 
+class EchoCallback(Callback):
+    """As fastNLP's own test callback: it overrides no hook, but notes every hook asked of it
+    in ``__getattribute__``."""
+
+    def __init__(self, tag: str, log: list[tuple[str, str]]) -> None:
+        self.tag, self.log = tag, log
+
+    def __getattribute__(self, name: str) -> Any:
+        if name.startswith("on_"):
+            object.__getattribute__(self, "log").append(
+                (name, object.__getattribute__(self, "tag"))
+            )
+        return super().__getattribute__(name)
+
+
+class FailAtBegin(Callback):
+    def on_train_begin(self) -> None:
+        raise RuntimeError("fails on purpose, on every rank")
+
+
 def case_hooks(out: Path) -> dict[str, Any]:
-    """Which hooks ran, in which order, for two callbacks_all and one callbacks_master."""
+    """Which hooks ran, in which order, for two callbacks_all and one callbacks_master, each
+    list ending with an EchoCallback; then which hooks echo in a run failing at its start."""
     log: list[tuple[str, str]] = []
 
     def recorder(tag: str) -> Hook:
@@ -359,10 +380,18 @@ def case_hooks(out: Path) -> dict[str, Any]:
         n_epochs=2,
         dev_data=ToyData(20, seed=1),
         metrics=AccuracyMetric(),
-        callbacks_all=[recorder("all-a"), recorder("all-b")],
-        callbacks_master=[recorder("master")],
+        callbacks_all=[recorder("all-a"), recorder("all-b"), EchoCallback("all-echo", log)],
+        callbacks_master=[recorder("master"), EchoCallback("master-echo", log)],
     ).train()
-    return {"log": log}
+    failed: list[tuple[str, str]] = []
+    trainer = make_trainer(
+        16,
+        callbacks_all=[EchoCallback("all-echo", failed), FailAtBegin()],
+        callbacks_master=[EchoCallback("master-echo", failed)],
+    )
+    with contextlib.suppress(RuntimeError):
+        trainer.train()
+    return {"log": log, "failed": failed}
 
 
 class StepLog(Callback):

@@ -1,0 +1,191 @@
+"""``RunLog``, the one logging component: it decides when to log (the log step, every
+evaluation, the end) and what (one ``log.jsonl`` record); its backends only write."""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from fastdist.loggers.backend import Logger, RunContext
+from fastdist.logging import logger
+from fastdist.state import TrainerState
+
+
+class _Options(Protocol):
+    @property
+    def print_every(self) -> int: ...
+
+    @property
+    def save_path(self) -> str | None: ...
+
+    def as_dict(self) -> dict[str, Any]: ...
+
+
+class LoggedTrainer(Protocol):
+    """What :class:`RunLog` reads of the trainer."""
+
+    state: TrainerState
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    world_size: int
+    global_batch: int
+
+    @property
+    def options(self) -> _Options: ...
+
+
+class RunLog:
+    """Hands every backend the same records, on rank 0, at the same moments.
+
+    The records are ``log.jsonl``'s (see :class:`~fastdist.loggers.JsonLogger`): ``"start"``
+    (the run's options, once), ``"train"`` every ``print_every`` updates (loss, learning rate,
+    throughput, memory, per-rank timings), ``"eval"`` after every evaluation, and ``"end"`` or
+    ``"exception"``. A backend that raises is named in one warning and dropped for the rest
+    of the run; training goes on.
+
+    Args:
+        backends: the :class:`~fastdist.loggers.Logger` objects to write to.
+    """
+
+    def __init__(self, backends: Sequence[Logger]) -> None:
+        self.backends = list(backends)
+        self.active: list[Logger] = []  # opened and not failed
+        self.trainer: LoggedTrainer | None = None
+        self._start = self._last_time = 0.0
+        self._last_step = 0
+        self._eval_seconds = 0.0
+        self._valid_start: float | None = None
+
+    def begin(self, trainer: LoggedTrainer) -> None:
+        """Training begins: open the backends, write the ``"start"`` record."""
+        self.close(failed=False)  # a second train() of the same trainer
+        self.trainer, state = trainer, trainer.state
+        run = RunContext(trainer.options.save_path, state.global_step)
+        self.active = [b for b in self.backends if self._guarded(b, "open", b.open, run)]
+        self._start = self._last_time = time.monotonic()
+        self._last_step, self._eval_seconds, self._valid_start = state.global_step, 0.0, None
+        self._emit(
+            "start",
+            start_time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            world_size=trainer.world_size,
+            total_steps=state.total_steps,
+            global_batch=trainer.global_batch,
+            optimizer=type(trainer.optimizer).__name__,
+            lr=float(trainer.optimizer.param_groups[0]["lr"]),
+            config=trainer.options.as_dict(),
+        )
+
+    def step_end(self) -> None:
+        """After an update: a ``"train"`` record on a log step (the loss was just reduced)."""
+        if self.trainer is None:
+            return
+        state = self.trainer.state
+        if state.global_step % self.trainer.options.print_every or state.loss is None:
+            return
+        now = time.monotonic()
+        seconds = now - self._last_time - self._eval_seconds
+        samples = self.trainer.global_batch * (state.global_step - self._last_step)
+        self._last_time, self._last_step, self._eval_seconds = now, state.global_step, 0.0
+        self._emit(
+            "train",
+            loss=state.loss,
+            lr=float(self.trainer.optimizer.param_groups[0]["lr"]),
+            samples_per_s=samples / seconds if seconds > 0 else None,
+            memory_mb=peak_memory_mb(self.trainer.device),
+            ranks=state.rank_times,
+        )
+
+    def valid_begin(self) -> None:
+        """An evaluation begins: its time is left out of the throughput."""
+        self._valid_start = time.monotonic()
+
+    def valid_end(self, eval_result: dict[str, float], is_better: bool) -> None:
+        """After an evaluation: an ``"eval"`` record with every key of the result."""
+        if self._valid_start is not None:
+            self._eval_seconds += time.monotonic() - self._valid_start
+            self._valid_start = None
+        fields = ("kind", "step", "epoch", "time", "is_better")
+        result = {f"metric_{k}" if k in fields else k: v for k, v in eval_result.items()}
+        self._emit("eval", is_better=is_better, **result)
+
+    def end(self) -> None:
+        """Training ended: the ``"end"`` record (the best result), then close."""
+        if self.trainer is not None:
+            state = self.trainer.state
+            self._emit(
+                "end",
+                best_eval=state.best_eval,
+                best_epoch=state.best_epoch,
+                best_step=state.best_step,
+                steps=state.global_step,
+                seconds=time.monotonic() - self._start,
+            )
+        self.close(failed=False)
+
+    def fail(self, exception: BaseException) -> None:
+        """Training raised: the ``"exception"`` record, then close."""
+        self._emit("exception", error=f"{type(exception).__name__}: {exception}")
+        self.close(failed=True)
+
+    def close(self, failed: bool) -> None:
+        """Close every open backend (each at most once)."""
+        active, self.active, self.trainer = self.active, [], None
+        for backend in active:
+            self._guarded(backend, "close", backend.close, failed)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each backend's state (e.g. its run id), by position and class."""
+        return {key: s for key, b in self._keyed() if (s := b.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Give each backend its saved state, before :meth:`begin` of a resume."""
+        for key, backend in self._keyed():
+            if key in state:
+                backend.load_state_dict(state[key])
+
+    def _keyed(self) -> list[tuple[str, Logger]]:
+        return [(f"{i}:{type(b).__name__}", b) for i, b in enumerate(self.backends)]
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self.trainer is None:
+            return
+        state = self.trainer.state
+        record = {
+            "kind": kind,
+            "step": state.global_step,
+            "epoch": state.epoch,
+            "time": time.monotonic() - self._start,
+            **fields,
+        }
+        for backend in list(self.active):
+            self._guarded(backend, kind, backend.write, record)
+
+    def _guarded(self, backend: Logger, what: str, call: Any, *args: Any) -> bool:
+        """Run ``call``; if it raises, warn once and drop ``backend``; say whether it ran."""
+        try:
+            call(*args)
+            return True
+        except Exception as exc:
+            logger.warning(
+                "logger %s failed (%s, at %s: %s: %s); it writes nothing more in this run, "
+                "training goes on",
+                type(backend).__name__,
+                what,
+                "the start" if self.trainer is None else f"step {self.trainer.state.global_step}",
+                type(exc).__name__,
+                exc,
+            )
+            if backend in self.active:
+                self.active.remove(backend)
+            return False
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Rank 0's peak memory in MiB: allocated on its GPU, else the process's resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

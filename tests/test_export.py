@@ -1,0 +1,127 @@
+"""``python -m fastdist export`` on checkpoints it must not trust or must not touch: corrupt
+ones (checked as a resume checks them), an OUT inside the checkpoint directory, files that are
+no checkpoint, a truncated shard. In one process, with real files.
+
+The trainer is tests/inprocess.py's: 24 samples in batches of 4, 6 updates an epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from inprocess import make_trainer
+
+from fastdist.callbacks import Callback
+from fastdist.cli import main
+
+pytestmark = pytest.mark.usefixtures("no_dist_env")
+
+
+def checkpoints_of(save_path: Path, **kwargs: object) -> Path:
+    """Train the in-process trainer with checkpoints at steps 3 and 6; their directory."""
+    make_trainer(Callback(), save_path=str(save_path), checkpoint_every=3, **kwargs).train()
+    return save_path / "checkpoints"
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
+def export(checkpoint: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """Run the command; its exit code and its message, which must be its output's last line
+    and one line (the lines before: training's log, export's warnings)."""
+    capsys.readouterr()
+    code = main(["export", str(checkpoint), str(out)])
+    captured = capsys.readouterr()
+    message = (captured.err if code else captured.out).rstrip("\n").splitlines()[-1]
+    assert message.startswith("fastdist export: " if code else "wrote "), captured
+    return code, message
+
+
+def test_export_verifies_the_checksums_as_resume_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], log_lines: list[str]
+) -> None:
+    """8 corrupted bytes: the file named is refused, naming the mismatch; the directory's
+    newest checkpoint that verifies is exported instead, with a warning naming the bad one."""
+    checkpoints = checkpoints_of(tmp_path / "run")
+    newest = checkpoints / "step-00000006.pt"
+    weight = torch.load(newest, weights_only=True)["parts"]["model"]["fc.weight"]
+    data = newest.read_bytes()
+    at = data.index(weight.numpy().tobytes())  # 8 bytes of the weights: torch.load cannot tell
+    newest.write_bytes(data[:at] + bytes(b ^ 0x5A for b in data[at : at + 8]) + data[at + 8 :])
+
+    code, message = export(newest, tmp_path / "m.pt", capsys)
+    assert code == 1
+    assert f"{newest} cannot be exported: {newest}: its CRC-32 does not match" in message
+    assert not (tmp_path / "m.pt").exists()
+
+    code, message = export(checkpoints, tmp_path / "m.pt", capsys)
+    assert code == 0, message
+    assert f"the model of {checkpoints / 'step-00000003.pt'}" in message
+    assert any(f"skipping checkpoint {newest}: {newest}: its CRC-32" in line for line in log_lines)
+    older = torch.load(checkpoints / "step-00000003.pt", weights_only=True)
+    exported = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert exported.keys() == older["parts"]["model"].keys()
+    assert all(torch.equal(exported[k], older["parts"]["model"][k]) for k in exported)
+
+
+def test_export_refuses_an_out_inside_the_checkpoint_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The manifest, another checkpoint's file, a shard of another sharded checkpoint, or
+    any of them through a link: refused, and not a byte of the directory changes."""
+    plain = checkpoints_of(tmp_path / "ddp")
+    sharded = checkpoints_of(tmp_path / "fsdp", strategy="fsdp")
+    (tmp_path / "link").symlink_to(sharded)
+    before = snapshot(tmp_path / "ddp"), snapshot(tmp_path / "fsdp")
+    cases = [
+        (plain / "step-00000006.pt", plain / "manifest.json"),
+        (plain / "step-00000006.pt", plain / "step-00000003.pt"),
+        (plain, plain / "new.pt"),
+        (sharded / "step-00000006", sharded / "step-00000003" / "__0_0.distcp"),
+        (sharded / "step-00000006", tmp_path / "link" / "step-00000003" / "trainer.pt"),
+        (tmp_path / "link", sharded / "manifest.json"),
+    ]
+    for checkpoint, out in cases:
+        code, message = export(checkpoint, out, capsys)
+        assert code == 1, (checkpoint, out)
+        assert f"OUT={str(out)!r} lies in the checkpoint directory" in message, message
+        assert "pass a path outside it" in message
+    assert (snapshot(tmp_path / "ddp"), snapshot(tmp_path / "fsdp")) == before
+    code, message = export(tmp_path / "link", tmp_path / "m.pt", capsys)  # outside: written
+    assert code == 0, message
+
+
+def test_export_names_the_file_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A text file, a cut-short checkpoint file, a truncated shard (of a sharded checkpoint
+    whose manifest entry predates the shards' checksums): one line naming the file and the
+    fix, never torch's advice to load with weights_only=False."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("lr=0.1\nbatch=4\n")
+    code, message = export(notes, tmp_path / "m.pt", capsys)
+    assert code == 1
+    assert f"{notes} is not a checkpoint: torch.load cannot read it" in message, message
+    assert "pass a step-* file or directory fastdist wrote" in message
+    assert "weights_only=False" not in message
+
+    checkpoints = checkpoints_of(tmp_path / "fsdp", strategy="fsdp")
+    entries = [
+        {k: v for k, v in e.items() if k != "files"}
+        for e in json.loads((checkpoints / "manifest.json").read_text())
+    ]
+    (checkpoints / "manifest.json").write_text(json.dumps(entries))
+    shard = checkpoints / "step-00000006" / "__0_0.distcp"
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)
+    code, message = export(shard.parent, tmp_path / "m.pt", capsys)
+    assert code == 1
+    assert f"{shard} is truncated or missing: {size // 2} bytes where the checkpoint's" in message
+    assert "export an earlier checkpoint of its directory" in message

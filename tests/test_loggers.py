@@ -1,0 +1,243 @@
+"""Loggers as backends: real trainings (torchrun, 2 processes) written to MLflow (an SQLite
+store read back with MlflowClient), W&B (offline files parsed back), TensorBoard (its event
+reader) and fitlog, each compared with ``log.jsonl``; a killed and resumed run; failing
+backends (a full disk, a missing package) that warn once while training finishes."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from inprocess import make_trainer
+from launch import Result, run_torchrun
+
+from fastdist.callbacks import RunLogCallback
+from fastdist.loggers import JsonLogger, MLflowLogger
+from fastdist.loggers.backend import scalars
+
+pytest.importorskip("mlflow")
+pytest.importorskip("wandb")
+pytest.importorskip("tensorboard")
+
+WORKER = Path(__file__).resolve().parent / "workers" / "loggers_worker.py"
+ENV = {"WANDB_SILENT": "true", "WANDB_MODE": None, "MLFLOW_TRACKING_URI": None}
+TRAIN_STEPS, EVAL_STEPS = [2, 4, 6, 8, 10, 12, 14], [5, 10, 15]  # 5 updates per epoch, 3 epochs
+
+
+@dataclass
+class Run:
+    result: Result
+    save: Path
+    records: list[dict[str, Any]]
+
+    def expected(self, last: bool = False) -> dict[str, dict[int, float]]:
+        """Every scalar of ``log.jsonl``: name -> {step: value}, the first value of a step
+        written twice (by a killed run and its resume), or with ``last`` the last one."""
+        found: dict[str, dict[int, float]] = {}
+        for record in self.records:
+            if record["kind"] in ("train", "eval"):
+                for name, value in scalars(record).items():
+                    steps = found.setdefault(name, {})
+                    if last or record["step"] not in steps:
+                        steps[record["step"]] = value
+        return found
+
+
+def launch(out: Path, *args: str, check: bool = True) -> Run:
+    result = run_torchrun(WORKER, 2, [str(out), *args], timeout=400, env=ENV, check=check)
+    log = out / "save" / "log.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return Run(result, out / "save", records)
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return launch(tmp_path_factory.mktemp("full"), "--failing")
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    out = tmp_path_factory.mktemp("resumed")
+    killed = launch(out, "--kill-at", "13", check=False)
+    assert killed.result.returncode != 0, killed.result.describe()
+    assert not (out / "result.json").exists()
+    return launch(out)
+
+
+def mlflow_history(save: Path) -> tuple[list[Any], dict[str, list[tuple[int, float]]]]:
+    """The runs of the worker's experiment, and the first one's metrics: name -> [(step, v)]."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{save / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("loggers-test")
+    runs = client.search_runs([experiment.experiment_id])
+    run_id = runs[0].info.run_id
+    history = {
+        name: [(m.step, m.value) for m in client.get_metric_history(run_id, name)]
+        for name in runs[0].data.metrics
+    }
+    return runs, history
+
+
+def wandb_records(path: Path) -> Iterator[Any]:
+    """The protobuf records of a W&B ``.wandb`` file (a LevelDB-style log of 32 KiB blocks)."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw, pos, block, pending = path.read_bytes(), 7, 32768, b""
+    assert raw[:4] == b":W&B", raw[:7]
+    while pos + 7 <= len(raw):
+        left = block - pos % block
+        _crc, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        if left < 7 or (length == 0 and kind == 0):  # the padding at a block's end
+            pos += left
+            continue
+        pending += raw[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def wandb_history(run_file: Path) -> dict[str, list[tuple[int, float]]]:
+    history: dict[str, list[tuple[int, float]]] = {}
+    for record in wandb_records(run_file):
+        if record.WhichOneof("record_type") == "history":
+            step = record.history.step.num
+            for item in record.history.item:
+                name = item.key or "/".join(item.nested_key)
+                if not name.startswith("_"):
+                    history.setdefault(name, []).append((step, json.loads(item.value_json)))
+    return history
+
+
+def tensorboard_history(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
+
+
+def assert_same(history: dict[str, list[tuple[int, float]]], run: Run, last: bool = False) -> None:
+    """``history`` holds exactly ``log.jsonl``'s names, steps and values, no step twice."""
+    expected = run.expected(last)
+    assert set(history) == set(expected)
+    for name, points in history.items():
+        steps = [step for step, _ in points]
+        assert steps == sorted(set(steps)), (name, steps)
+        assert dict(points) == pytest.approx(expected[name], rel=1e-6), name
+
+
+@pytest.mark.slow
+def test_mlflow_holds_the_log_jsonl_metrics_and_options(full: Run) -> None:
+    runs, history = mlflow_history(full.save)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].info.run_name == "tiny"
+    assert_same(history, full)
+    assert [step for step, _ in history["loss"]] == TRAIN_STEPS
+    assert [step for step, _ in history["dev/acc"]] == EVAL_STEPS
+    assert {"time/update_ms/rank0", "time/update_ms/rank1", "lr", "memory_mb"} <= set(history)
+    params = runs[0].data.params
+    assert params["world_size"] == "2" and params["batch_size_per_gpu"] == "8"
+
+
+@pytest.mark.slow
+def test_wandb_offline_files_hold_the_same(full: Run) -> None:
+    (run_file,) = full.save.glob("wandb/offline-run-*/run-*.wandb")
+    assert_same(wandb_history(run_file), full)
+    configs = [r.run.config for r in wandb_records(run_file) if r.HasField("run")]
+    configs += [r.config for r in wandb_records(run_file) if r.HasField("config")]
+    values = {i.key: json.loads(i.value_json) for c in configs for i in c.update}
+    assert values["world_size"] == 2 and values["print_every"] == 2
+
+
+@pytest.mark.slow
+def test_tensorboard_and_fitlog_hold_the_same(full: Run) -> None:
+    assert_same(tensorboard_history(full.save / "tensorboard"), full)
+    (loss_log,) = full.save.glob("fitlog/log_*/loss.log")
+    steps = [
+        json.loads(line.split("\t", 1)[1])["step"]
+        for line in loss_log.read_text().split("\n")
+        if line
+    ]
+    assert steps == TRAIN_STEPS
+
+
+@pytest.mark.slow
+def test_a_failing_backend_warns_once_and_training_finishes(full: Run) -> None:
+    output = full.result.output
+    assert output.count("logger DiskFull failed") == 1, full.result.describe()
+    assert "No space left on device" in output
+    assert [r["kind"] for r in full.records][-1] == "end"
+    assert json.loads((full.save.parent / "result.json").read_text())["steps"] == 15
+
+
+@pytest.mark.slow
+def test_a_killed_and_resumed_run_continues_the_same_runs(resumed: Run) -> None:
+    starts = [r["step"] for r in resumed.records if r["kind"] == "start"]
+    assert starts == [0, 10], "killed after step 13, resumed from the checkpoint of step 10"
+    runs, history = mlflow_history(resumed.save)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED", "the same MLflow run"
+    assert_same(history, resumed)  # step 12, logged before the kill, is not written again
+    assert [step for step, _ in history["loss"]] == TRAIN_STEPS
+    # TensorBoard drops what the killed run wrote after step 10: the resume's values stay.
+    assert_same(tensorboard_history(resumed.save / "tensorboard"), resumed, last=True)
+    run_files = sorted(resumed.save.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(run_files) == 2 and run_files[0].name == run_files[1].name, "the same W&B run"
+    assert min(step for s in wandb_history(run_files[1]).values() for step, _ in s) > 10
+
+
+# In-process: a one-process world without a process group.
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_a_missing_package_warns_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, log_lines: list[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", None)  # import fails
+    callback = RunLogCallback([MLflowLogger(), JsonLogger(tmp_path / "log.jsonl")])
+    result = make_trainer(callback, n_epochs=2).train()
+    assert result["steps"] == 12
+    failed = [line for line in log_lines if "logger MLflowLogger failed" in line]
+    assert len(failed) == 1 and failed[0].startswith("WARNING"), log_lines
+    assert 'pip install "fastdist[mlflow]"' in failed[0]
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert kinds[-1] == "end", "the other backend wrote on"
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_a_full_disk_warns_once(tmp_path: Path, log_lines: list[str]) -> None:
+    callback = RunLogCallback([JsonLogger("/dev/full")])  # every write: ENOSPC
+    assert make_trainer(callback, n_epochs=2).train()["steps"] == 12
+    failed = [line for line in log_lines if "logger JsonLogger failed" in line]
+    assert len(failed) == 1 and "No space left on device" in failed[0], log_lines
+
+
+@pytest.mark.usefixtures("no_dist_env")
+@pytest.mark.parametrize(
+    ("loggers", "message"),
+    [
+        (
+            JsonLogger(),
+            r"loggers must be a list of .*, got a single JsonLogger: .*\[JsonLogger\(\)\]",
+        ),
+        (
+            ["log.jsonl"],
+            r"loggers must hold fastdist.loggers backends; loggers\[0\] is 'log.jsonl'",
+        ),
+        (JsonLogger, r"loggers must be a list"),
+    ],
+)
+def test_bad_loggers_are_named(loggers: Any, message: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=message):
+        make_trainer(RunLogCallback([]), loggers=loggers)
