@@ -102,7 +102,7 @@ class Loop:
         with its loss weight and its samples (0 for a filler); ``state.batch_idx``,
         ``is_update`` and ``is_filler`` say where it is. The timer times ``next()`` and the
         copy to the device as the data wait."""
-        state, update_every = self.state, self.options.update_every
+        state = self.state
         if state.epoch_complete:
             state.samples_in_epoch = state.batches_in_epoch = 0
         state.epoch_complete = False
@@ -117,8 +117,7 @@ class Loop:
             self.run.rng.apply()
         for batch_idx, batch in enumerate(self.timer.batches(batches, self.world.device)):
             state.batch_idx = batch_idx
-            n = len(self.data.weights)  # a stream's grows by a window at a time
-            state.is_update = (batch_idx + 1) % update_every == 0 or batch_idx + 1 == n
+            state.is_update = self.data.ends_window(batch_idx + 1)  # the data's windows
             share = self.data.weights[batch_idx]
             state.is_filler = share == 0.0  # trains nothing
             yield batch, share, self.data.samples[batch_idx]
@@ -314,15 +313,15 @@ class Loop:
     def _updates_left(self) -> int | None:
         """Optimizer updates from the current position to the end of the last epoch (``None``:
         unknown, a stream)."""
-        state, every = self.state, self.options.update_every
+        state = self.state
         left = 0
         for epoch in self._epochs():
             mid = epoch == state.epoch and not state.epoch_complete
             position = (state.samples_in_epoch, state.batches_in_epoch) if mid else (0, 0)
-            n = self.data.n_micro_batches(epoch, *position)
+            n = self.data.n_updates(epoch, *position)
             if n is None:
                 return None
-            left += -(-n // every)
+            left += n
         return left
 
     def _end(self) -> None:
