@@ -37,8 +37,8 @@ class Update(Protocol):
 
     def __iter__(self) -> Iterator[Any]:
         """The update's micro-batches on the device, each read when it is asked for (the
-        data wait is timed) and announced to ``on_batch_begin`` just before it is yielded;
-        ``list(update)`` gives them all at once."""
+        data wait is timed) and announced to ``on_batch_begin`` just before it is yielded,
+        the model in the mode it trains in; ``list(update)`` gives them all at once."""
         ...
 
     def forward(self, module: nn.Module, batch: Any) -> Any:

@@ -60,10 +60,12 @@ class Update:
                 return
 
     def _draw(self, batch: Any) -> Any:
-        """Move to the micro-batch drawn next and announce it."""
+        """Move to the micro-batch drawn next; announce it in the mode it trains in."""
         self._at(self._drawn)
         self._drawn += 1
         self.last = self.state.is_update
+        if not self.state.is_filler and not self.model.training:  # e.g. from_pretrained's
+            self.model.train()
         self.callbacks.on_batch_begin(batch)
         return batch
 
