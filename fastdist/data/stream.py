@@ -190,7 +190,7 @@ class StreamBatches:
     """This rank's batches of a stream, an update window at a time (see the module docstring).
 
     The interface of :class:`~fastdist.data.TrainBatches`, with what a stream cannot know in
-    advance left unknown: ``n_micro_batches`` is ``None`` and ``ends_pass`` is never true
+    advance left unknown: ``n_updates`` is ``None`` and ``ends_pass`` is never true
     before the end. ``weights`` grows by one window just before the window's first batch is
     yielded, so after a window's last batch ``len(weights)`` is the micro-batches so far. The
     windows of one agreement (``windows_per_agreement``) are read ahead together;
@@ -255,7 +255,7 @@ class StreamBatches:
         self._state: dict[str, Any] | None = None  # the loader's position after the window
         self._ends: dict[int, tuple[int, int]] = {}  # micro-batches done -> position
 
-    def n_micro_batches(self, epoch: int, samples: int = 0, batches: int = 0) -> None:
+    def n_updates(self, epoch: int, samples: int = 0, batches: int = 0) -> None:
         """Unknown for a stream."""
         return None
 
@@ -346,6 +346,10 @@ class StreamBatches:
             return per_window
 
         return sizes
+
+    def ends_window(self, done: int) -> bool:
+        """Whether ``done`` micro-batches end a window (one agreed so far)."""
+        return done in self._ends
 
     def ends_pass(self, done: int) -> bool:
         """Never known before the stream has ended."""
