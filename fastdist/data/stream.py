@@ -10,15 +10,13 @@ every rank every rank's batch sizes (:meth:`StreamBatches._agree`). From them ea
 weighs its micro-batches exactly as for map-style data
 (:func:`~fastdist.data.batches.window_weights`), a rank with fewer batches repeats the last
 batch it read with weight 0 (a filler) to stay in step, and the epoch ends on every rank
-together after the last window in which some rank has a batch. The agreement of the next
-windows is started while the last window of the current ones trains, so its latency overlaps
-training; one all-reduce per ``AGREED_MICRO_BATCHES`` micro-batches rather than one per update
-is what brings streams to map-style speed (docs/benchmarks.rst).
+together after the last window in which some rank has a batch. The next agreement starts
+while the current one's last window trains; one all-reduce per ``AGREED_MICRO_BATCHES``
+micro-batches brings streams to map-style speed (docs/benchmarks.rst).
 
-Resume: a dataset with ``state_dict()``/``load_state_dict()`` (torchdata's ``Stateful``
-protocol: the position of its current iteration, back at the start once an iteration ends;
-``load_state_dict`` is called before the next ``iter()``, in the worker that reads) is read
-through torchdata's ``StatefulDataLoader``; a checkpoint then holds every rank's loader state
+Resume: a dataset with ``state_dict()``/``load_state_dict()`` (torchdata's ``Stateful``: the
+position of its current iteration; loaded before the next ``iter()``, in the worker that reads)
+is read through torchdata's ``StatefulDataLoader``; a checkpoint holds every rank's loader state
 and a resumed run continues the epoch exactly (same world size and ``num_workers``). Any other
 stream restarts the interrupted epoch from its start, with a warning.
 """
