@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import TensorDataset
 from workers.trainer_worker import make_trainer, on
 
 from fastdist import AccuracyMetric, Callback, CrossEntropyLoss
@@ -26,7 +27,7 @@ from fastdist.callbacks import (
     WarmupCallback,
 )
 from fastdist.callbacks.callback import state_keys
-from fastdist.data import split_batches, window_weights
+from fastdist.data import TrainBatches, split_batches, window_weights
 from fastdist.data.feed import make_forward, to_device
 from fastdist.losses import as_loss_fn
 from fastdist.trainer.precision import Precision
@@ -252,6 +253,17 @@ def test_window_weights_average_each_window(n: int, update_every: int) -> None:
         weighted = sum(weights[i] * batches[i].mean() for i in window)
         expected = losses[start * 8 : start * 8 + span].mean()
         assert weighted.item() == pytest.approx(expected.item(), abs=1e-12)
+
+
+@pytest.mark.parametrize(("n", "update_every"), [(20, 3), (24, 4), (10, 1), (7, 5)])
+def test_the_data_owns_the_update_windows(n: int, update_every: int) -> None:
+    """The windows the loop steps after are the ones ``window_weights`` averages over."""
+    data = TrainBatches(TensorDataset(torch.arange(n)), 2, None, None, False, 0, 0, 1, update_every)
+    data.begin(1, 0, 0)
+    micro = len(data.weights)
+    ends = [done for done in range(1, micro + 1) if data.ends_window(done)]
+    assert ends == [*range(update_every, micro, update_every), micro]
+    assert data.n_updates(1) == len(ends)
 
 
 # ----- batches: to_device, make_forward -----

@@ -217,6 +217,25 @@ def test_an_eval_mode_model_trains_with_dropout_on(no_dist_env: None) -> None:
     assert model.training and model.drop.training  # evaluation puts it back
 
 
+class ModeAtBatchBegin(Callback):
+    """Records the model's mode when each micro-batch is announced."""
+
+    def __init__(self) -> None:
+        self.modes: list[bool] = []
+
+    def on_batch_begin(self, batch: Any) -> None:
+        self.modes.append(self.trainer.model.training)
+
+
+def test_on_batch_begin_sees_train_mode_from_the_first_micro_batch(no_dist_env: None) -> None:
+    # Issue 28: an eval-mode model (from_pretrained's) was switched after on_batch_begin, so a
+    # hook reading the mode saw eval on the first micro-batch.
+    seen = ModeAtBatchBegin()
+    trainer = make_trainer(seen, model=DropoutNet().eval(), optimizer=None, update_every=2)
+    trainer.train(resume=False)  # 6 micro-batches, 3 updates
+    assert seen.modes == [True] * 6
+
+
 def test_evaluation_and_predict_use_the_models_predict(no_dist_env: None) -> None:
     data = scorer_data(8)
     trainer = DistTrainer(

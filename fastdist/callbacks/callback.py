@@ -75,7 +75,8 @@ class Callback:
         """At the start of every epoch (``state.epoch`` is set)."""
 
     def on_batch_begin(self, batch: Any) -> None:
-        """Before the forward pass of a micro-batch (already on the device)."""
+        """Before the forward pass of a micro-batch (already on the device; the model in
+        train mode, whatever mode it came in)."""
 
     def on_loss_begin(self, batch: Any, output: Any) -> None:
         """After the forward pass, before the loss is computed."""

@@ -118,9 +118,11 @@ class TrainBatches:
         left = len(s) - skip * self.batch_size
         return [split_batches(left, self.batch_size, self.drop_last)] * w, skip
 
-    def n_micro_batches(self, epoch: int, samples: int = 0, batches: int = 0) -> int:
-        """Micro-batches every rank runs in a pass (the longest shard's batches)."""
-        return max(len(sizes) for sizes in self.plan(epoch, samples, batches)[0])
+    def n_updates(self, epoch: int, samples: int = 0, batches: int = 0) -> int:
+        """Optimizer updates every rank runs in a pass (windows of the longest shard's
+        batches)."""
+        n = max(len(sizes) for sizes in self.plan(epoch, samples, batches)[0])
+        return -(-n // self.update_every)
 
     def begin(self, epoch: int, samples: int, batches: int) -> None:
         """Start a pass: set the sampler's epoch and start; plan every rank's batch sizes."""
@@ -153,6 +155,10 @@ class TrainBatches:
             if last is None:  # an empty shard (fewer samples left than ranks)
                 last = self.loader.collate_fn([self.data[0]])
             yield last
+
+    def ends_window(self, done: int) -> bool:
+        """Whether ``done`` micro-batches end a window (:func:`window_weights`'s)."""
+        return done % self.update_every == 0 or done == len(self.weights)
 
     def ends_pass(self, done: int) -> bool:
         """Whether ``done`` micro-batches are the whole pass."""

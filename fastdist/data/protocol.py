@@ -33,8 +33,9 @@ class Batches(Protocol):
         """Whether every rank's batch sizes are known (else a user sampler must give equal
         shards)."""
 
-    def n_micro_batches(self, epoch: int, samples: int = 0, batches: int = 0) -> int | None:
-        """Micro-batches every rank runs in a pass from this position (``None``: unknown)."""
+    def n_updates(self, epoch: int, samples: int = 0, batches: int = 0) -> int | None:
+        """Optimizer updates every rank runs in a pass from this position (``None``:
+        unknown)."""
 
     def begin(self, epoch: int, samples: int, batches: int) -> None:
         """Start a pass of ``epoch`` from the position ``(samples, batches)``."""
@@ -42,6 +43,10 @@ class Batches(Protocol):
     def iterate(self) -> Iterator[Any]:
         """This rank's batches of the pass, fillers included (``iter()`` of the loader runs
         now: it draws from the torch RNG)."""
+
+    def ends_window(self, done: int) -> bool:
+        """Whether ``done`` micro-batches of the pass end an update window (the windows are
+        the data's: ``update_every`` micro-batches, or fewer at the end of a pass)."""
 
     def ends_pass(self, done: int) -> bool:
         """Whether ``done`` micro-batches are known to be the whole pass."""

@@ -10,15 +10,13 @@ every rank every rank's batch sizes (:meth:`StreamBatches._agree`). From them ea
 weighs its micro-batches exactly as for map-style data
 (:func:`~fastdist.data.batches.window_weights`), a rank with fewer batches repeats the last
 batch it read with weight 0 (a filler) to stay in step, and the epoch ends on every rank
-together after the last window in which some rank has a batch. The agreement of the next
-windows is started while the last window of the current ones trains, so its latency overlaps
-training; one all-reduce per ``AGREED_MICRO_BATCHES`` micro-batches rather than one per update
-is what brings streams to map-style speed (docs/benchmarks.rst).
+together after the last window in which some rank has a batch. The next agreement starts
+while the current one's last window trains; one all-reduce per ``AGREED_MICRO_BATCHES``
+micro-batches brings streams to map-style speed (docs/benchmarks.rst).
 
-Resume: a dataset with ``state_dict()``/``load_state_dict()`` (torchdata's ``Stateful``
-protocol: the position of its current iteration, back at the start once an iteration ends;
-``load_state_dict`` is called before the next ``iter()``, in the worker that reads) is read
-through torchdata's ``StatefulDataLoader``; a checkpoint then holds every rank's loader state
+Resume: a dataset with ``state_dict()``/``load_state_dict()`` (torchdata's ``Stateful``: the
+position of its current iteration; loaded before the next ``iter()``, in the worker that reads)
+is read through torchdata's ``StatefulDataLoader``; a checkpoint holds every rank's loader state
 and a resumed run continues the epoch exactly (same world size and ``num_workers``). Any other
 stream restarts the interrupted epoch from its start, with a warning.
 """
@@ -190,7 +188,7 @@ class StreamBatches:
     """This rank's batches of a stream, an update window at a time (see the module docstring).
 
     The interface of :class:`~fastdist.data.TrainBatches`, with what a stream cannot know in
-    advance left unknown: ``n_micro_batches`` is ``None`` and ``ends_pass`` is never true
+    advance left unknown: ``n_updates`` is ``None`` and ``ends_pass`` is never true
     before the end. ``weights`` grows by one window just before the window's first batch is
     yielded, so after a window's last batch ``len(weights)`` is the micro-batches so far. The
     windows of one agreement (``windows_per_agreement``) are read ahead together;
@@ -255,7 +253,7 @@ class StreamBatches:
         self._state: dict[str, Any] | None = None  # the loader's position after the window
         self._ends: dict[int, tuple[int, int]] = {}  # micro-batches done -> position
 
-    def n_micro_batches(self, epoch: int, samples: int = 0, batches: int = 0) -> None:
+    def n_updates(self, epoch: int, samples: int = 0, batches: int = 0) -> None:
         """Unknown for a stream."""
         return None
 
@@ -346,6 +344,10 @@ class StreamBatches:
             return per_window
 
         return sizes
+
+    def ends_window(self, done: int) -> bool:
+        """Whether ``done`` micro-batches end a window (one agreed so far)."""
+        return done in self._ends
 
     def ends_pass(self, done: int) -> bool:
         """Never known before the stream has ended."""

@@ -3,14 +3,16 @@
 The training loop, evaluation and the checkpointer call only these methods and never ask
 which strategy runs. A strategy object holds its own options (checked when it is built),
 checks its fit to the model and the device before any collective (:meth:`check`), wraps the
-model (:meth:`setup`) and owns its checkpoint format (:meth:`checkpoint_parts`).
+model (:meth:`setup`), computes each optimizer update's forward and backward passes
+(:meth:`forward_backward`) and owns its checkpoint format (:meth:`checkpoint_parts`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -19,6 +21,43 @@ from fastdist.checkpoint import PER_RANK, REPLICATED
 from fastdist.distributed import broadcast_tensors, get_rank
 from fastdist.strategies.blocks import checkpoint_blocks, find_blocks
 from fastdist.strategies.topology import Topology
+
+
+class Update(Protocol):
+    """One optimizer update's micro-batches, as the training loop hands them to
+    :meth:`Strategy.forward_backward`, with the loop's part of their compute: the callbacks'
+    per-micro-batch hooks, the loss bookkeeping, mixed precision and the timing.
+
+    :meth:`loss` and :meth:`end` are called once per micro-batch each, in the micro-batches'
+    order; each call is about the next micro-batch it has not yet been called for.
+    """
+
+    #: Whether the micro-batch drawn last is the update's last (its backward reduces the
+    #: gradients; the ones before it accumulate them, see :meth:`Strategy.no_sync`).
+    last: bool
+
+    def __iter__(self) -> Iterator[Any]:
+        """The update's micro-batches on the device, each read when it is asked for (the
+        data wait is timed) and announced to ``on_batch_begin`` just before it is yielded,
+        the model in the mode it trains in; ``list(update)`` gives them all at once."""
+        ...
+
+    def forward(self, module: nn.Module, batch: Any) -> Any:
+        """``module``'s output on the micro-batch drawn last (mixed precision, its mode)."""
+        ...
+
+    def loss(self, output: Any, batch: Any) -> torch.Tensor:
+        """The next micro-batch's loss from its ``output``: ``on_loss_begin``, the loss
+        function (mixed precision), recorded for the logged loss, ``on_backward_begin``;
+        returned weighted within the update and scaled by amp's gradient scaler: the tensor
+        to call ``backward()`` on."""
+        ...
+
+    def end(self) -> None:
+        """After the next micro-batch's backward: on the update's last, the gradients of a
+        ``(sum, count)`` loss divided by the update's count; the timing; ``on_backward_end``;
+        ``on_batch_end`` unless it is the update's last (that one ends after the step)."""
+        ...
 
 
 class Strategy:
@@ -108,6 +147,29 @@ class Strategy:
     def eval_module(self) -> nn.Module:
         """What evaluation and prediction run through (no gradient synchronisation)."""
         return self.model
+
+    def forward_backward(self, update: Update) -> None:
+        """Run the forward and backward passes of one optimizer update's micro-batches.
+
+        Here each micro-batch in turn, reducing the gradients on the last only (the others
+        run in :meth:`no_sync`): the callbacks' hooks come in the order of
+        :class:`~fastdist.callbacks.Callback`'s docs, micro-batch after micro-batch.
+
+        A strategy that runs the whole update at once (a pipeline's schedule, which consumes
+        every micro-batch together and calls backward itself) overrides this: it takes the
+        micro-batches with ``list(update)`` (``on_batch_begin`` of each, in order, before any
+        forward), gives its schedule :meth:`Update.loss` as the loss function of the last
+        stage (called once per micro-batch, in order; what it returns carries the update's
+        weights, ``(sum, count)`` losses' included, and amp's scaling, so the schedule must
+        not divide by the number of micro-batches), and then calls :meth:`Update.end` once
+        per micro-batch. Under it ``on_loss_begin`` and ``on_backward_begin`` run inside the
+        schedule on the last stage only, and ``on_backward_end`` after the schedule's last
+        backward, when every micro-batch's gradients are accumulated.
+        """
+        for batch in update:
+            with contextlib.nullcontext() if update.last else self.no_sync():
+                update.loss(update.forward(self.module, batch), batch).backward()
+            update.end()
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Context of a micro-batch whose gradients are not reduced (inside a window)."""

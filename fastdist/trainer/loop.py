@@ -1,16 +1,15 @@
-"""The training loop (:meth:`Loop.train_epochs`, one screen, every hook in it) and the run
-around it: resume, the end of training, pre-emption."""
+"""The training loop (:meth:`Loop.train_epochs`, one screen; the per-micro-batch hooks are
+called by :class:`~fastdist.trainer.update.Update` as the strategy computes each update) and
+the run around it: resume, the end of training, pre-emption."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import torch
-from torch import nn
 from torch.utils.data import Dataset
 
 from fastdist.callbacks.callback import TrainerView
@@ -23,6 +22,7 @@ from fastdist.trainer.preemption import report_preempted, requeue
 from fastdist.trainer.progress import Progress
 from fastdist.trainer.safety import all_finite, check_in_sync, failing_ranks
 from fastdist.trainer.sync import Agreement
+from fastdist.trainer.update import Update
 
 #: The agreement before any sync point: nothing agreed, nothing to stop.
 NOTHING = Agreement(stop_requested=False, preempted=False, loss=None, rank_times=None)
@@ -51,22 +51,11 @@ class Loop:
             state.epoch = epoch
             self.world.board.publish(epoch=epoch, step=state.global_step, phase="train")
             callbacks.on_epoch_begin()
-            for batch, share, samples in self._batches(epoch):  # sets state.batch_idx, ...
-                callbacks.on_batch_begin(batch)
-                # Only the last micro-batch of a window all-reduces gradients.
-                with contextlib.nullcontext() if state.is_update else self.strategy.no_sync():
-                    with self.precision.autocast(), forward_mode(self.model, state.is_filler):
-                        output = run.forward(self.strategy.module, batch)
-                        callbacks.on_loss_begin(batch, output)
-                        loss = self.losses.add(run.loss_fn(output, batch), share, samples)
-                    callbacks.on_backward_begin(loss)
-                    weight = self.losses.weight(share)
-                    self.precision.backward(loss if weight == 1.0 else loss * weight)
-                if state.is_update:  # (sum, count) losses: divide by the update's global count
-                    self.losses.normalize(self.model, self.world.size, self.world.group)
-                self.timer.backward_done(state.is_update)  # splits off the all-reduce wait
-                callbacks.on_backward_end()
-                if state.is_update and self._optimizer_step():
+            for update in self._updates(epoch):  # one optimizer update's micro-batches
+                # Per micro-batch: on_batch_begin, on_loss_begin, on_backward_begin,
+                # on_backward_end and, but for the last, on_batch_end (see Update).
+                self.strategy.forward_backward(update)
+                if self._optimizer_step():
                     if state.global_step % self.options.print_every == 0:
                         agreed = self.sync(read_loss=True)  # on_step_end sees the fresh loss
                     elif run.sync.check_due(state.global_step):  # log steps far apart
@@ -100,12 +89,11 @@ class Loop:
         first = state.epoch + 1 if state.epoch_complete else state.epoch
         return range(max(first, 1), self.options.n_epochs + 1)
 
-    def _batches(self, epoch: int) -> Iterator[tuple[Any, float, int]]:
-        """This epoch's micro-batches on the device, from where training stands in it, each
-        with its loss weight and its samples (0 for a filler); ``state.batch_idx``,
-        ``is_update`` and ``is_filler`` say where it is. The timer times ``next()`` and the
-        copy to the device as the data wait."""
-        state, update_every = self.state, self.options.update_every
+    def _updates(self, epoch: int) -> Iterator[Update]:
+        """This epoch's optimizer updates, from where training stands in it, each drawing its
+        micro-batches as the strategy computes them. The timer times ``next()`` and the copy
+        to the device as the data wait."""
+        state = self.state
         if state.epoch_complete:
             state.samples_in_epoch = state.batches_in_epoch = 0
         state.epoch_complete = False
@@ -118,13 +106,10 @@ class Loop:
         batches = self.data.iterate()
         if mid_epoch:
             self.run.rng.apply()
-        for batch_idx, batch in enumerate(self.timer.batches(batches, self.world.device)):
-            state.batch_idx = batch_idx
-            n = len(self.data.weights)  # a stream's grows by a window at a time
-            state.is_update = (batch_idx + 1) % update_every == 0 or batch_idx + 1 == n
-            share = self.data.weights[batch_idx]
-            state.is_filler = share == 0.0  # trains nothing
-            yield batch, share, self.data.samples[batch_idx]
+        batches = self.timer.batches(batches, self.world.device)
+        update = Update(self.run, batches)
+        for first in batches:  # drawn after the previous update's on_batch_end
+            yield update.open(first)
 
     def _optimizer_step(self) -> bool:
         """Step, unless the gradients are non-finite or fp16 overflowed; say whether it did."""
@@ -331,15 +316,15 @@ class Loop:
     def _updates_left(self) -> int | None:
         """Optimizer updates from the current position to the end of the last epoch (``None``:
         unknown, a stream)."""
-        state, every = self.state, self.options.update_every
+        state = self.state
         left = 0
         for epoch in self._epochs():
             mid = epoch == state.epoch and not state.epoch_complete
             position = (state.samples_in_epoch, state.batches_in_epoch) if mid else (0, 0)
-            n = self.data.n_micro_batches(epoch, *position)
+            n = self.data.n_updates(epoch, *position)
             if n is None:
                 return None
-            left += -(-n // every)
+            left += n
         return left
 
     def _end(self) -> None:
@@ -362,20 +347,3 @@ class Loop:
         state, board = self.state, self.world.board
         board.move(epoch=state.epoch, step=state.global_step, hook=self.callbacks.current)
         return board
-
-
-@contextlib.contextmanager
-def forward_mode(model: nn.Module, filler: bool) -> Iterator[None]:
-    """Train mode for a micro-batch that trains, whatever mode the model came in (a
-    ``from_pretrained`` model comes in eval mode) or a callback left it in; eval mode for a
-    filler (no batch-norm statistics, no dropout), then train mode again."""
-    if not filler:
-        if not model.training:  # the root's flag: train() walks every module
-            model.train()
-        yield
-        return
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train()

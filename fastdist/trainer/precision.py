@@ -31,8 +31,9 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=_DTYPES[self.amp])
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` as ``backward()`` is called on it: times the gradient scaler's scale."""
+        return loss if self.scaler is None else self.scaler.scale(loss)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring the gradients back to their true scale (before clipping); once per update."""

@@ -1,0 +1,128 @@
+"""The loop's part in computing one optimizer update (:class:`Update`): what a strategy's
+:meth:`~fastdist.strategies.Strategy.forward_backward` calls for each micro-batch while it
+runs the forward and backward passes its own way: the callbacks' per-micro-batch hooks, the
+loss bookkeeping, mixed precision and the timing.
+
+Per micro-batch the hooks come in this order: ``on_batch_begin`` as it is drawn,
+``on_loss_begin`` and ``on_backward_begin`` in :meth:`Update.loss`, ``on_backward_end`` and
+(but for the update's last micro-batch, whose ``on_batch_end`` follows the optimizer step in
+the loop) ``on_batch_end`` in :meth:`Update.end`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastdist.trainer.build import Run
+
+#: The context of a micro-batch that trains: the model is already in train mode.
+TRAINING = contextlib.nullcontext()
+
+
+class Update:
+    """One optimizer update's micro-batches, drawn from the pass's ``batches`` (on the device,
+    timed) as the strategy asks for them (see :class:`fastdist.strategies.base.Update`, the
+    interface it implements). One object serves a whole pass: :meth:`open` starts each update.
+
+    The data owns the windows (:meth:`~fastdist.data.protocol.Batches.ends_window`).
+    ``state.batch_idx``, ``is_update`` and ``is_filler`` say which micro-batch a hook is about.
+    """
+
+    def __init__(self, run: Run, batches: Iterator[Any]) -> None:
+        self.state, self.callbacks, self.data = run.state, run.callbacks, run.data
+        self.model, self.precision, self.losses = run.model, run.precision, run.losses
+        self.timer, self.world = run.timer, run.world
+        self.feed, self.loss_fn = run.forward, run.loss_fn
+        self.batches = batches
+        self.last = False
+        self._first: Any = None
+        self._drawn = self._lost = self._ended = 0  # the pass's micro-batches so far
+
+    def open(self, first: Any) -> Update:
+        """Start the next update at its ``first`` micro-batch, already drawn."""
+        self._first = first
+        return self
+
+    def __iter__(self) -> Iterator[Any]:
+        """The update's micro-batches; the next update's first is not drawn."""
+        first, self._first = self._first, None
+        yield self._draw(first)
+        if self.last:
+            return
+        for batch in self.batches:
+            yield self._draw(batch)
+            if self.last:
+                return
+
+    def _draw(self, batch: Any) -> Any:
+        """Move to the micro-batch drawn next; announce it in the mode it trains in."""
+        self._at(self._drawn)
+        self._drawn += 1
+        self.last = self.state.is_update
+        if not self.state.is_filler and not self.model.training:  # e.g. from_pretrained's
+            self.model.train()
+        self.callbacks.on_batch_begin(batch)
+        return batch
+
+    def _at(self, index: int) -> None:
+        """Point the state at micro-batch ``index`` of the pass."""
+        state = self.state
+        state.batch_idx = index
+        state.is_update = self.data.ends_window(index + 1)
+        state.is_filler = self.data.weights[index] == 0.0  # trains nothing
+
+    def forward(self, module: nn.Module, batch: Any) -> Any:
+        """``module``'s output on the micro-batch drawn last."""
+        with self.precision.autocast(), self._mode():
+            return self.feed(module, batch)
+
+    def loss(self, output: Any, batch: Any) -> torch.Tensor:
+        """The next micro-batch's loss to backpropagate: weighted, scaled."""
+        index = self._lost
+        self._lost += 1
+        if index != self.state.batch_idx:  # a schedule's: every micro-batch is drawn
+            self._at(index)
+        share = self.data.weights[index]
+        with self.precision.autocast(), self._mode():
+            self.callbacks.on_loss_begin(batch, output)
+            loss = self.losses.add(self.loss_fn(output, batch), share, self.data.samples[index])
+        self.callbacks.on_backward_begin(loss)
+        weight = self.losses.weight(share)
+        return self.precision.scale(loss if weight == 1.0 else loss * weight)
+
+    def end(self) -> None:
+        """After the next micro-batch's backward."""
+        index, state = self._ended, self.state
+        self._ended += 1
+        if index != state.batch_idx:
+            self._at(index)
+        if state.is_update:  # (sum, count) losses: divide by the update's global count
+            self.losses.normalize(self.model, self.world.size, self.world.group)
+        self.timer.backward_done(state.is_update)  # splits off the all-reduce wait
+        self.callbacks.on_backward_end()
+        if not state.is_update:
+            self.callbacks.on_batch_end()
+
+    def _mode(self) -> contextlib.AbstractContextManager:
+        """Train mode for a micro-batch that trains, whatever mode a callback left the model
+        in; eval mode for a filler (no batch-norm statistics, no dropout), then train mode."""
+        if self.state.is_filler:
+            return evaluating(self.model)
+        if not self.model.training:  # the root's flag: train() walks every module
+            self.model.train()
+        return TRAINING
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode inside, in train mode after."""
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train()
