@@ -3,8 +3,10 @@
 Example:
     >>> from fastdist import DistTrainer, CrossEntropyLoss, AccuracyMetric
     >>> trainer = DistTrainer(train_data, model, optimizer, loss=CrossEntropyLoss(),
-    ...                       dev_data=dev_data, metrics=AccuracyMetric())
-    >>> trainer.train()  # torchrun --nproc-per-node=2 train.py
+    ...                       dev_data=dev_data, metrics=AccuracyMetric(), use_tqdm=False)
+    >>> result = trainer.train()  # torchrun --nproc-per-node=2 train.py: the same script
+    >>> result["steps"]
+    8
 """
 
 from fastdist.callbacks import Callback

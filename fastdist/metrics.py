@@ -62,7 +62,7 @@ class AccuracyMetric(Metric):
     Positions where ``target`` equals ``ignore_index`` are not counted.
 
     Example:
-        >>> AccuracyMetric(pred="pred", target="target")
+        >>> metric = AccuracyMetric(pred="pred", target="target")
     """
 
     keys = ("acc",)
@@ -110,8 +110,8 @@ class LossMetric(Metric):
         target: name of the target field (for a torch loss module, and the batch size).
 
     Example:
-        >>> LossMetric(CrossEntropyLoss(), target="target")
-        >>> LossMetric(torch.nn.MSELoss(), pred="pred", target="y")
+        >>> dev_loss = LossMetric(CrossEntropyLoss(), target="target")
+        >>> mse = LossMetric(torch.nn.MSELoss(), pred="pred", target="y")
     """
 
     keys = ("loss",)
@@ -201,7 +201,8 @@ class ClassifyFPreRecMetric(Metric):
         only_gross: report only the averages, not the per-class values.
 
     Example:
-        >>> ClassifyFPreRecMetric(num_classes=3)  # keys f, pre, rec, macro_f, ...
+        >>> ClassifyFPreRecMetric(num_classes=3).keys[:4]
+        ('f', 'pre', 'rec', 'macro_f')
     """
 
     def __init__(

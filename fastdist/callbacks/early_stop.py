@@ -13,7 +13,7 @@ class EarlyStopCallback(Callback):
     ``callbacks_all`` (every rank sees the same evaluation) and in ``callbacks_master``.
 
     Example:
-        >>> EarlyStopCallback(patience=3)
+        >>> early_stop = EarlyStopCallback(patience=3)
     """
 
     def __init__(self, patience: int = 3) -> None:

@@ -34,7 +34,7 @@ class GradientClipCallback(Callback):
         parameters: what to clip; default all of the model's parameters.
 
     Example:
-        >>> GradientClipCallback(clip_value=1.0, clip_type="norm")
+        >>> clip = GradientClipCallback(clip_value=1.0, clip_type="norm")
     """
 
     def __init__(self, clip_value: float = 1.0, clip_type: str = "norm", parameters=None) -> None:

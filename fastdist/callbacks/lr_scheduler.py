@@ -18,7 +18,7 @@ class LRSchedulerCallback(Callback):
 
     Example:
         >>> sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100)
-        >>> LRSchedulerCallback(sched)
+        >>> scheduler = LRSchedulerCallback(sched)
     """
 
     def __init__(self, scheduler: Any, interval: str = "step") -> None:

@@ -35,7 +35,7 @@ class ProfilerCallback(Callback):
         record_shapes, profile_memory, with_stack: passed to ``torch.profiler.profile``.
 
     Example:
-        >>> DistTrainer(..., callbacks_all=[ProfilerCallback(wait=10, active=5, dir="prof")])
+        >>> profiler = ProfilerCallback(wait=10, active=5, dir="prof")  # in callbacks_all
     """
 
     def __init__(

@@ -18,7 +18,7 @@ class WarmupCallback(Callback):
             linear decay to 0) or ``"cosine"`` (warmup, then cosine decay to 0).
 
     Example:
-        >>> WarmupCallback(warmup=0.1, schedule="linear")
+        >>> warmup = WarmupCallback(warmup=0.1, schedule="linear")
     """
 
     def __init__(self, warmup: float = 0.1, schedule: str = "constant") -> None:

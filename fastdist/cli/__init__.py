@@ -1,15 +1,16 @@
 """Command-line tools, run as ``python -m fastdist COMMAND``.
 
 Commands:
-    env: print what a bug report needs (versions, CUDA, backends, torchrun variables) and
-        whether a process group can be formed here.
-    estimate: the memory per rank of a model under DDP, FSDP and tensor parallelism.
-    plot: draw the curves of one or more ``JSONLogCallback`` logs into a PNG.
-    export: write the model of a checkpoint (sharded or not) as one file, offline.
+
+- ``env``: what a bug report needs (versions, CUDA, backends, torchrun variables) and whether
+  a process group can be formed here.
+- ``estimate``: the memory per rank of a model under DDP, FSDP and tensor parallelism.
+- ``plot``: draw the curves of one or more runs' ``log.jsonl`` into a PNG.
+- ``export``: write the model of a checkpoint (sharded or not) as one file, offline.
 
 Example:
-    >>> main(["env"])  # python -m fastdist env
-    >>> main(["plot", "save", "-o", "curves.png"])  # python -m fastdist plot save -o curves.png
+    >>> main(["env"])  # python -m fastdist env  # doctest: +SKIP
+    >>> main(["plot", "save", "-o", "curves.png"])  # doctest: +SKIP
 """
 
 from __future__ import annotations

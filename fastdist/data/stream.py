@@ -137,10 +137,9 @@ class ShardedStream(EpochCarrier):
             share a shard).
 
     Example:
-        >>> strategy = FSDP(tp=2, tp_plan=plan)
-        >>> shard = Topology.of(strategy).data_shard
-        >>> stream = ShardedStream(MyStream(shard.rank, shard.size), shard.rank, shard.size)
-        >>> trainer = DistTrainer(stream, model, ..., strategy=strategy)
+        >>> shard = Topology.of(FSDP()).data_shard  # of the strategy the trainer gets
+        >>> part = range(shard.rank, 10, shard.size)  # a stream reading its own part
+        >>> stream = ShardedStream(part, shard.rank, shard.size)
     """
 
     def __init__(self, dataset: Any, rank: int | None = None, size: int | None = None) -> None:

@@ -58,8 +58,8 @@ def rank_zero_first(local: bool = True, log_every: float = 30.0) -> Iterator[Non
         log_every: seconds between "waiting for rank 0" lines on the waiting ranks.
 
     Example:
-        >>> with rank_zero_first():
-        ...     data = build_or_load_cached("cache/")
+        >>> with rank_zero_first():  # rank 0 first, then the others (reading its cache)
+        ...     data = samples(8)
     """
     if not _several_processes():
         yield

@@ -200,7 +200,9 @@ def init_distributed(
         exclusive: with ``device``, refuse GPUs shared between ranks.
 
     Example:
-        >>> fastdist.init_distributed(init_method="tcp://127.0.0.1:29500", rank=0, world_size=2)
+        >>> fastdist.init_distributed(  # doctest: +SKIP
+        ...     init_method="tcp://127.0.0.1:29500", rank=0, world_size=2
+        ... )
     """
     if dist.is_initialized():
         return True

@@ -100,6 +100,7 @@ def predict(
         >>> preds = predict(model, test_data, batch_size_per_gpu=32)  # on every rank
         >>> if get_rank() == 0:
         ...     print(len(preds) == len(test_data))
+        True
         >>> predict(model, test_data, output_path="pred.jsonl")  # rank 0 writes the file
     """
     n = _check_args(data, batch_size_per_gpu, output_path, writer, to_output, num_workers)

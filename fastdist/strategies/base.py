@@ -140,7 +140,7 @@ class Strategy:
 
     def blocks(self, model: nn.Module) -> list[str]:
         """Names of the model's repeated blocks (what activation checkpointing wraps): the
-        children of its ``nn.ModuleList``s."""
+        children of its ``nn.ModuleList`` objects."""
         return find_blocks(model, None)
 
     @property

@@ -45,7 +45,7 @@ class DDP(Strategy):
     world size they restart (from rank 0's parameters), with a warning.
 
     Example:
-        >>> DistTrainer(..., strategy=DDP(bucket_cap_mb=50, comm_hook="powersgd"))
+        >>> strategy = DDP(bucket_cap_mb=50, comm_hook="powersgd")  # DistTrainer(strategy=...)
     """
 
     def __init__(

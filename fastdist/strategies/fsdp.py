@@ -89,7 +89,7 @@ class FSDP(Strategy):
 
     Args:
         wrap: module classes sharded one by one (the repeated blocks); ``None``: the children
-            of the model's ``nn.ModuleList``s. The root is sharded last, holding the rest.
+            of the model's ``nn.ModuleList`` objects. The root is sharded last, holding the rest.
         reshard_after_forward: free each block's gathered parameters after its forward (and
             gather again in backward): less memory, more communication. The root keeps its
             parameters gathered from forward to backward, which needs them first (torch's
@@ -116,10 +116,13 @@ class FSDP(Strategy):
     compute, gradients reduced in fp32.
 
     Example:
-        >>> DistTrainer(..., strategy=FSDP(wrap=[TransformerBlock]))
+        >>> strategy = FSDP(wrap=[TransformerBlock])  # DistTrainer(..., strategy=strategy)
         >>> plan = {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
-        >>> DistTrainer(..., strategy=FSDP(tp=2, tp_plan=plan))  # torchrun --nproc-per-node=4
-        >>> DistTrainer(..., strategy=FSDP(replicate=2))  # HSDP: 2 groups, each sharding
+        >>> strategy = FSDP(tp=2, tp_plan=plan)  # torchrun --nproc-per-node=4: a 2x2 mesh
+        >>> strategy.degrees(4)
+        {'dp_shard': 2, 'tp': 2}
+        >>> FSDP(replicate=2).degrees(4)  # HSDP: 2 groups, each sharding over 2 ranks
+        {'dp_replicate': 2, 'dp_shard': 2}
     """
 
     equal_forwards = True

@@ -67,8 +67,13 @@ class Topology:
         timeout: seconds the process groups of a mesh may wait (``None``: torch's default).
 
     Example:
-        >>> topology = Topology.of(FSDP(tp=2))  # before the trainer: from torchrun's env
-        >>> shard = topology.data_shard  # ShardedStream(MyStream(shard.rank, shard.size), ...)
+        >>> topology = Topology({"dp_shard": 2, "tp": 2}, rank=3, world_size=4)
+        >>> topology.data_shard  # tensor-parallel peers 2 and 3 share data shard 1
+        DataShard(rank=1, size=2, primary=False)
+        >>> topology.ranks_along(3, "tp")
+        [2, 3]
+        >>> Topology.of(FSDP()).data_shard  # before the trainer: from torchrun's env
+        DataShard(rank=0, size=1, primary=True)
     """
 
     def __init__(

@@ -107,7 +107,7 @@ class DistTrainer:
         activation_checkpointing: recompute the activations of blocks in backward instead of
             keeping them (torch's ``checkpoint_wrapper``): ``True`` every block, ``"every-2"``
             every second one, ... (the blocks: FSDP's ``wrap`` classes, else the children of
-            the model's ``nn.ModuleList``s); less memory, about one more forward of compute.
+            the model's ``nn.ModuleList`` objects); less memory, about one more forward of compute.
         strategy: how the model is spread over the ranks, with its own options:
             ``"ddp"`` = :class:`~fastdist.strategies.DDP` ``()`` (every rank holds the whole
             model; bucket size, communication hooks, local SGD), ``"fsdp"`` =
@@ -125,17 +125,17 @@ class DistTrainer:
         model, optimizer: the model (on its device) and the optimizer stepping it.
         options: the options above, checked (:class:`~fastdist.trainer.options.TrainerOptions`).
         strategy: the :class:`~fastdist.strategies.Strategy` running the model.
-        topology: the layout of the ranks it asked for
-            (:class:`~fastdist.strategies.Topology`): this rank's data shard, whether it holds
-            the loss, which ranks hold copies of the parameters, the mesh of each dimension.
         rank, world_size, is_master, device: this process's place in the job.
         callbacks_all, callbacks_master: the callback lists (a JSON log added to the second
             when there is a ``save_path`` and none was given).
 
     Example:
         >>> trainer = DistTrainer(train_data, model, optimizer, loss=CrossEntropyLoss(),
-        ...                       dev_data=dev_data, metrics=AccuracyMetric(), n_epochs=3)
+        ...                       dev_data=dev_data, metrics=AccuracyMetric(), n_epochs=3,
+        ...                       use_tqdm=False)
         >>> result = trainer.train()  # same dict on every rank
+        >>> result["steps"], sorted(result["best_eval"])
+        (24, ['acc'])
     """
 
     #: Exit code after a pre-emption (SIGTERM): 128 + 15, as if killed by the signal.
@@ -202,7 +202,9 @@ class DistTrainer:
 
     @property
     def topology(self) -> Topology:
-        """The layout of the ranks (read-only; see the class's attributes)."""
+        """The layout of the ranks the strategy asked for (read-only,
+        :class:`~fastdist.strategies.Topology`): this rank's data shard, whether it holds the
+        loss, which ranks hold copies of the parameters, the mesh of each dimension."""
         return self._loop.world.topology
 
     @property
@@ -257,9 +259,13 @@ class DistTrainer:
             ``path``, as a ``str``.
 
         Example:
-            >>> trainer.train()
-            >>> trainer.save_model("out/model", format="hf")  # on every rank
-            >>> GPT2LMHeadModel.from_pretrained("out/model")
+            >>> trainer = DistTrainer(train_data, model, optimizer, loss=CrossEntropyLoss(),
+            ...                       use_tqdm=False)
+            >>> _ = trainer.train()
+            >>> trainer.save_model("out/model.safetensors", format="safetensors")  # every rank
+            'out/model.safetensors'
+            >>> trainer.save_model("out/gpt2", format="hf")  # doctest: +SKIP
+            >>> GPT2LMHeadModel.from_pretrained("out/gpt2")  # doctest: +SKIP
         """
         group, timeout = self._loop.world.group, self.options.timeout
         return run_save_model(self.strategy, path, format, group, timeout)
@@ -277,7 +283,11 @@ class DistTrainer:
         ``shared_dir``, ``to_output``, ``collate_fn``, ``num_workers``).
 
         Example:
+            >>> trainer = DistTrainer(train_data, model, optimizer, loss=CrossEntropyLoss(),
+            ...                       use_tqdm=False)
             >>> preds = trainer.predict(test_data)  # a list on rank 0, None elsewhere
+            >>> len(preds), sorted(preds[0])
+            (16, ['pred'])
         """
         board = self._loop.world.board
         board.publish(phase="predict")
