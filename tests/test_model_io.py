@@ -47,12 +47,12 @@ def test_save_model_and_predict_on_rank_zero_only_raise_naming_the_cause(
     assert busy["error"].startswith("RuntimeError: save_model must be called on every rank, ")
     assert "(5 s passed; rank 1: epoch 2, step 6, phase finished): call it" in busy["error"]
     assert 5 <= busy["seconds"] < 6
-    for call, name in [("ended", "save_model"), ("predict", "predict")]:
+    for call, name in [("ended", "save_model"), ("predict", "predict"), ("evaluate", "evaluate")]:
         error = rank0[call]["error"]  # rank 1's script ended: no wait for the timeout
         assert error.startswith(f"RuntimeError: {name} must be called on every rank, "), call
         assert "ranks [1] did not call it (ranks [1] ended their script" in error, call
         assert "call it on every rank, not under `if rank == 0`" in error
     assert rank0["ended"]["seconds"] < 4  # rank 1 ended 2 s after the first error
-    assert rank0["predict"]["seconds"] < 1
+    assert rank0["predict"]["seconds"] < 1 and rank0["evaluate"]["seconds"] < 1
     assert rank0["fastdist.predict"]["error"] == rank0["predict"]["error"]
     assert not list(tmp_path.glob("*.pt"))  # nothing written

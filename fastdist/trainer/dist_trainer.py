@@ -237,7 +237,9 @@ class DistTrainer:
         self.state.stop_requested = True
 
     def evaluate(self, data: Dataset | None = None) -> dict[str, float]:
-        """Evaluate ``data`` (default ``dev_data``) with ``metrics``; same dict on every rank."""
+        """Evaluate ``data`` (default ``dev_data``) with ``metrics``; call it on every rank,
+        which all get the same dict."""
+        enter_on_every_rank("evaluate", self.options.timeout)  # not a hang under rank == 0
         return self._loop.evaluate(data)
 
     def save_model(self, path: str | os.PathLike, format: str = "torch") -> str:
