@@ -137,6 +137,11 @@ TASK = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[3-4]"}
             "SLURM_JOB_NODELIST is not set, so the address of task 0 is unknown: start the "
             "tasks with srun inside a job (which sets it), or set MASTER_ADDR to task 0's host",
         ),
+        (
+            {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "MASTER_PORT": "abc"},
+            "MASTER_PORT='abc' is not a TCP port (an integer from 1 to 65535): set it to a free "
+            "port on task 0's host, the same for every task, or unset it (default 29500)",
+        ),
     ],
 )
 def test_slurm_variables_that_cannot_say_the_ranks_are_one_clear_error(

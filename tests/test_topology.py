@@ -54,6 +54,11 @@ def test_layout_refuses_what_does_not_fit() -> None:
         Topology({"dp_shard": 2}, 0, 4)
 
 
+def test_topology_of_a_strategy_name_names_the_object_to_pass() -> None:
+    with pytest.raises(TypeError, match=r"Topology.of\(FSDP\(\)\) for 'fsdp'"):
+        Topology.of("fsdp")  # type: ignore[arg-type]
+
+
 def test_ddp_script_makes_no_mesh() -> None:
     """A one-process run asks the layout, never a DeviceMesh."""
     code = (

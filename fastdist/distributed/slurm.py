@@ -51,6 +51,13 @@ def torchrun_env_from_slurm(env: MutableMapping[str, str]) -> dict[str, str]:
             "SLURM_JOB_NODELIST is not set, so the address of task 0 is unknown: start the "
             "tasks with srun inside a job (which sets it), or set MASTER_ADDR to task 0's host"
         )
+    port = env.get("MASTER_PORT", str(DEFAULT_PORT)).strip()
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"MASTER_PORT={env['MASTER_PORT']!r} is not a TCP port (an integer from 1 to "
+            "65535): set it to a free port on task 0's host, the same for every task, or unset "
+            f"it (default {DEFAULT_PORT})"
+        )
     return {
         "RANK": str(procid),
         "WORLD_SIZE": str(ntasks),
@@ -58,7 +65,7 @@ def torchrun_env_from_slurm(env: MutableMapping[str, str]) -> dict[str, str]:
         "LOCAL_WORLD_SIZE": env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or str(ntasks),
         "GROUP_RANK": env.get("SLURM_NODEID", "0"),
         "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(env["SLURM_JOB_NODELIST"]),
-        "MASTER_PORT": env.get("MASTER_PORT", str(DEFAULT_PORT)),
+        "MASTER_PORT": port,
     }
 
 

@@ -190,8 +190,9 @@ class FSDP(Strategy):
             raise ValueError(
                 f"FSDP({', '.join(given)}) splits the ranks into groups of {per}, but the world "
                 f"has {world_size} process(es), not a multiple of {' x '.join(given)}: launch "
-                f"a multiple of {per} processes, or choose {' and '.join(given)} to divide "
-                f"{world_size}"
+                f"a multiple of {per} processes, or pick "
+                f"{' and '.join(name for name, value in options if value > 1)} so that "
+                f"{' x '.join(name for name, value in options if value > 1)} divides {world_size}"
             )
         degrees = {"dp_replicate": self.replicate} if self.replicate > 1 else {}
         degrees["dp_shard"] = world_size // per

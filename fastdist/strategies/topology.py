@@ -109,6 +109,11 @@ class Topology:
     ) -> Topology:
         """The layout ``strategy`` wants over this job (rank and world size from the process
         group, or from torchrun's environment before it forms)."""
+        if not callable(getattr(strategy, "degrees", None)):
+            raise TypeError(
+                f"Topology.of takes a strategy object, got {strategy!r}: Topology.of(DDP()) for "
+                "'ddp' or None, Topology.of(FSDP()) for 'fsdp' (from fastdist.strategies)"
+            )
         world = get_world_size()
         return cls(strategy.degrees(world), get_rank(), world, device_type, group, timeout)
 
