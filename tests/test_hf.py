@@ -98,6 +98,9 @@ def test_the_save_pretrained_idiom_after_fsdp_raises_at_once_naming_save_model(
             "instead; rank 0 writes the folder save_pretrained would"
         )
         assert call["seconds"] < 1
+    submodule = fsdp[0]["submodule"]  # model.transformer.save_pretrained: refused alike
+    assert submodule["error"].startswith("RuntimeError: GPT2Model.save_pretrained() cannot ")
+    assert submodule["seconds"] < 1
     assert not list((out / "fsdp").glob("save_pretrained_*"))  # nothing half-written
     # Under DDP the model is the user's own: the idiom works, with the trained weights.
     ddp = ranks[0]["ddp"]["save_pretrained"]["rank0"]

@@ -27,7 +27,8 @@ def launch(mode: str, nproc: int, out: Path, timeout: float) -> list[dict[str, A
 def test_trainers_one_after_another_in_one_process(tmp_path: Path) -> None:
     """Each trainer tears down its process group; FSDP's meshes must not be built on it (a
     later trainer's DTensors reached the torn-down group through torch's caches)."""
-    rank0 = launch("trainers", 4, tmp_path, timeout=400)[0]
+    result = launch("trainers", 4, tmp_path, timeout=400)[0]
+    rank0 = result["sequence"]
     errors = {name: run["error"] for name, run in rank0.items() if "error" in run}
     assert errors == {}
     assert [run["steps"] for run in rank0.values()] == [4] * 6
@@ -35,6 +36,12 @@ def test_trainers_one_after_another_in_one_process(tmp_path: Path) -> None:
     assert rank0["ddp_again"] == rank0["ddp"]
     for name in ("fsdp", "compiled", "2d"):
         assert rank0[name]["params"] == pytest.approx(rank0["ddp"]["params"], abs=1e-5), name
+    # A model an FSDP trainer sharded, given to another: a clear error before any collective.
+    assert result["reused"] == (
+        "model (BlockNet) was sharded by an earlier trainer (its parameters are DTensors), and a "
+        "model is wrapped once: build the model anew for this trainer, and load the weights the "
+        "first one saved (trainer.save_model) if it goes on from them"
+    )
 
 
 @pytest.mark.slow

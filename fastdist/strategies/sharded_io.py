@@ -7,6 +7,7 @@ rank's shards as DTensors for DCP to write and reshard, and gather or scatter a 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,9 +73,14 @@ def refuse_sharded_save_pretrained(model: nn.Module) -> None:
     folder. Given a full ``state_dict`` (no DTensor), ``save_pretrained`` reads nothing
     sharded and runs as it is (``save_model`` calls it so).
     """
-    save_pretrained = getattr(model, "save_pretrained", None)
-    if not callable(save_pretrained):
-        return
+    for module in model.modules():  # the model and its transformers submodules
+        if callable(getattr(module, "save_pretrained", None)):
+            _guard_save_pretrained(module)
+
+
+def _guard_save_pretrained(model: nn.Module) -> None:
+    """Replace ``model.save_pretrained`` by one that refuses sharded weights."""
+    save_pretrained: Callable[..., Any] = model.save_pretrained  # type: ignore[assignment]
 
     @functools.wraps(save_pretrained)
     def guarded(*args: Any, **kwargs: Any) -> Any:

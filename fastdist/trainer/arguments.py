@@ -190,6 +190,12 @@ def check_model(model: Any) -> None:
             "is nothing to train: pass the model to train, with its parameters unfrozen "
             "(model.requires_grad_(True))"
         )
+    if any(getattr(p, "device_mesh", None) is not None for p in model.parameters()):
+        raise ValueError(
+            f"model ({type(model).__name__}) was sharded by an earlier trainer (its parameters "
+            "are DTensors), and a model is wrapped once: build the model anew for this trainer, "
+            "and load the weights the first one saved (trainer.save_model) if it goes on from them"
+        )
 
 
 def check_optimizer(optimizer: Any, model: nn.Module) -> None:

@@ -134,12 +134,13 @@ def save_pretrained_idiom(model: GPT2LMHeadModel, out: Path, every_rank: bool) -
     """``model.save_pretrained(dir)`` after training, under ``if rank == 0`` and then (with
     ``every_rank``) on every rank: the error each call raised (``None``: none), its seconds."""
     spellings: dict[str, Any] = {}
-    for spelling in ("rank0", "every_rank") if every_rank else ("rank0",):
-        if spelling == "rank0" and get_rank() != 0:
+    for spelling in ("rank0", "submodule", "every_rank") if every_rank else ("rank0",):
+        if spelling in ("rank0", "submodule") and get_rank() != 0:
             continue
         start = time.monotonic()
+        part = model.transformer if spelling == "submodule" else model  # a PreTrainedModel too
         try:
-            model.save_pretrained(out / f"save_pretrained_{spelling}")
+            part.save_pretrained(out / f"save_pretrained_{spelling}")
             error = None
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"

@@ -22,7 +22,7 @@ from workers.tp_worker import PLAN, flat, trainer
 from workers.trainer_worker import ToyData, write_json
 
 import fastdist
-from fastdist import get_rank
+from fastdist import CrossEntropyLoss, DistTrainer, get_rank
 from fastdist.strategies import FSDP
 
 #: (name, strategy, batch, options) of the trainers run one after another, each with a
@@ -52,6 +52,17 @@ def trainers() -> dict[str, Any]:
         run = None  # type: ignore[assignment]
         gc.collect()  # the trainer and its process group go now, as in a long loop
     return results
+
+
+def reused_model() -> str | None:
+    """The error of a second trainer given the model an FSDP trainer sharded (``None``: none)."""
+    first = trainer("fsdp", 4)
+    first.train()
+    try:
+        DistTrainer(ToyData(8), first.model, loss=CrossEntropyLoss(), use_tqdm=False, device="cpu")
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def timed(call: Callable[[], Any]) -> dict[str, Any]:
@@ -84,7 +95,10 @@ def rank_zero_only(out: Path) -> dict[str, Any]:
 
 
 def main(mode: str, out: Path) -> None:
-    write_json(out, trainers() if mode == "trainers" else rank_zero_only(out))
+    if mode == "trainers":
+        write_json(out, {"sequence": trainers(), "reused": reused_model()})
+    else:
+        write_json(out, rank_zero_only(out))
 
 
 if __name__ == "__main__":
