@@ -266,6 +266,7 @@ def figure(runs: dict[str, list[Record]]) -> Any:
     axes[1].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     for ax in axes:
         _finish_panel(ax, runs)
+    fig.align_ylabels(axes)
     if len(runs) > 1:
         axes[0].legend(fontsize="small", frameon=False)
     return fig
