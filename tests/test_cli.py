@@ -15,7 +15,7 @@ from launch import free_port, run_python, run_torchrun
 import fastdist
 from fastdist.cli import main
 from fastdist.cli.env import check_process_group, report
-from fastdist.cli.plot import load_run, run_names
+from fastdist.cli.plot import figure, load_run, run_names
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -74,7 +74,7 @@ def test_plot_reports_a_missing_run(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert not (tmp_path / "x.png").exists()
 
 
-def test_load_run_reads_the_last_run_and_skips_a_cut_line(
+def test_load_run_replaces_earlier_runs_and_skips_a_cut_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     log = write_log(tmp_path / "log.jsonl", [{"n": 4, "scale": 1.0}, {"n": 8, "scale": 2.0}])
@@ -84,7 +84,34 @@ def test_load_run_reads_the_last_run_and_skips_a_cut_line(
     assert records[0]["kind"] == "start" and records[-1]["kind"] == "end"
     assert [r["step"] for r in records if r["kind"] == "train"] == [2, 4, 6, 8]
     err = capsys.readouterr().err
-    assert "holds 2 runs; drawing the last" in err and "skipped 1 line" in err
+    assert "holds 2 runs; joined them" in err and "skipped 1 line" in err
+
+
+def test_plot_joins_a_killed_run_and_its_resume(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    ranks = [{"rank": 0, "update_ms": 5.0}, {"rank": 1, "update_ms": 7.0}]
+
+    def train(step: int, lr: float, part: str) -> dict[str, Any]:
+        return {"kind": "train", "step": step, "loss": 1 / step, "lr": lr, "part": part,
+                "ranks": ranks}  # fmt: skip
+
+    killed = [train(s, s / 1000, "killed") for s in (10, 20, 30, 40)]  # checkpoint at 20
+    resumed = [train(s, s / 1000, "resumed") for s in (30, 40, 50)]
+    log = tmp_path / "log.jsonl"
+    lines = [{"kind": "start", "step": 0}, *killed, {"kind": "eval", "step": 20, "acc": 0.5}]
+    lines += [{"kind": "start", "step": 20}, *resumed, {"kind": "eval", "step": 40, "acc": 0.7}]
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    records = load_run(log)
+    trains = [(r["step"], r["part"]) for r in records if r["kind"] == "train"]
+    assert trains == [(10, "killed"), (20, "killed"), (30, "resumed"), (40, "resumed"),
+                      (50, "resumed")]  # fmt: skip
+    axes = {ax.get_ylabel(): ax for ax in figure({"run": records}).axes}
+    assert set(axes) == {"training loss", "learning rate", "dev acc", "update time (ms)"}
+    lr_line = axes["learning rate"].lines[0]
+    assert list(lr_line.get_xdata()) == [10, 20, 30, 40, 50]
+    assert list(lr_line.get_ydata()) == pytest.approx([0.01, 0.02, 0.03, 0.04, 0.05])
+    assert list(axes["dev acc"].lines[0].get_ydata()) == [0.5, 0.7]
+    assert [len(line.get_xdata()) for line in axes["update time (ms)"].lines[:2]] == [5, 5]
 
 
 def test_run_names(tmp_path: Path) -> None:

@@ -1,12 +1,12 @@
 """``python -m fastdist plot``: draw the curves of ``log.jsonl`` logs (``JsonLogger``) in a PNG.
 
 Each RUN is a JSON Lines log or a directory holding ``log.jsonl`` (the trainer's ``save_path``).
-The panels show the training loss against the update step and against wall time, every
-evaluation metric against the step, the throughput (samples/s) against the step and each rank's
-update time (data loading + compute, ms) against the step, with all runs in the same axes,
-named by their directory (or the file's stem) in the legend. A log that
-holds several runs (it is appended to) is drawn from its last one. matplotlib is needed only
-here: ``pip install matplotlib`` or ``pip install "fastdist[plot]"``.
+One panel each, over a shared update-step axis: the training loss, the learning rate, every
+evaluation metric and each rank's update time (data loading + compute, ms), with all runs in the
+same axes, named by their directory (or the file's stem) in the legend. A log that holds several
+runs (a killed run then its resume) is drawn as one curve: a later run's records replace the
+earlier ones from the step it started at, and a dotted line marks where it resumed. matplotlib
+is needed only here: ``pip install matplotlib`` or ``pip install "fastdist[plot]"``.
 
 Example:
     $ python -m fastdist plot save/run1 save/run2 -o curves.png
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -42,7 +41,7 @@ def add_parser(commands: Any) -> None:
     """Register the ``plot`` command on the ``python -m fastdist`` sub-parsers."""
     parser = commands.add_parser(
         "plot",
-        help="draw loss, evaluation and throughput curves of JSONLogCallback logs to a PNG",
+        help="draw loss, learning rate, evaluation and rank-time curves of logs to a PNG",
         description=__doc__.split("\n\nExample")[0] if __doc__ else None,
     )
     parser.add_argument(
@@ -54,7 +53,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "-o", "--output", default="curves.png", help="PNG file to write (default: curves.png)"
     )
-    parser.add_argument("--dpi", type=int, default=100, help="resolution (default: 100)")
+    parser.add_argument("--dpi", type=int, default=150, help="resolution (default: 150)")
     parser.set_defaults(run=run)
 
 
@@ -86,16 +85,20 @@ def resolve_log(run: str | os.PathLike[str]) -> Path:
 
 
 def load_run(path: str | os.PathLike[str]) -> list[Record]:
-    """The records of the last run in a JSON Lines log (runs begin with a ``"start"`` record).
+    """The records of a JSON Lines log, its runs joined into one (each begins with ``"start"``).
 
-    Lines that are not JSON objects (a line cut short by a crash) are skipped with a warning.
+    A resumed run's ``"start"`` record has the step it resumed from: the records of the earlier
+    runs past that step (logged by the killed run after its last checkpoint) are replaced by the
+    resumed run's, so no step is drawn twice. A fresh run in the same file starts at step 0 and
+    so replaces everything but the earlier ``"start"`` records. Lines that are not JSON objects
+    (a line cut short by a crash) are skipped with a warning.
 
     Example:
-        >>> [r["kind"] for r in load_run("save/log.jsonl")]
-        ['start', 'train', 'train', 'eval', 'end']
+        >>> [(r["kind"], r["step"]) for r in load_run("save/log.jsonl")]  # killed, resumed at 20
+        [('start', 0), ('train', 10), ('train', 20), ('start', 20), ('train', 30), ('end', 30)]
     """
-    runs: list[list[Record]] = [[]]
-    bad = 0
+    records: list[Record] = []
+    parts = bad = 0
     with open(path, encoding="utf-8") as f:
         for line in f:
             if not line.strip():
@@ -108,23 +111,33 @@ def load_run(path: str | os.PathLike[str]) -> list[Record]:
             if not isinstance(record, dict):
                 bad += 1
                 continue
-            if record.get("kind") == "start" and runs[-1]:
-                runs.append([])
-            runs[-1].append(record)
+            if record.get("kind") == "start":
+                parts += 1
+                resumed_at = record.get("step")
+                if not _is_number(resumed_at):
+                    resumed_at = 0
+                records = [r for r in records if _step_at_most(r, resumed_at)]
+            records.append(record)
     if bad:
         print(
             f"fastdist plot: {path}: skipped {bad} line(s) that are not JSON objects",
             file=sys.stderr,
         )
-    if not runs[-1]:
+    if not records:
         raise PlotError(f"{path}: no records")
-    if len(runs) > 1:
-        started = runs[-1][0].get("start_time", "?")
+    if parts > 1:
         print(
-            f"fastdist plot: {path} holds {len(runs)} runs; drawing the last (started {started})",
+            f"fastdist plot: {path} holds {parts} runs; joined them, a later run replacing the"
+            " steps it logged again",
             file=sys.stderr,
         )
-    return runs[-1]
+    return records
+
+
+def _step_at_most(record: Record, step: float) -> bool:
+    """Whether ``record`` stays when a run starts at ``step``: a start record, or not past it."""
+    value = record.get("step")
+    return record.get("kind") == "start" or not _is_number(value) or value <= step
 
 
 def run_names(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
@@ -211,8 +224,21 @@ def metric_keys(runs: dict[str, list[Record]]) -> list[str]:
     return list(keys)
 
 
-def draw(runs: dict[str, list[Record]], output: str | os.PathLike[str], dpi: int = 100) -> None:
+def draw(runs: dict[str, list[Record]], output: str | os.PathLike[str], dpi: int = 150) -> None:
     """Draw the panels of all ``runs`` (label -> records) into the PNG ``output``.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    fig = figure(runs)
+    directory = os.path.dirname(os.fspath(output))
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    fig.savefig(output, format="png", dpi=dpi)
+
+
+def figure(runs: dict[str, list[Record]]) -> Any:
+    """The matplotlib ``Figure`` of all ``runs``: one panel per curve over a shared step axis.
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -221,68 +247,50 @@ def draw(runs: dict[str, list[Record]], output: str | os.PathLike[str], dpi: int
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    # (title, record kind, x key, y key, x label, y label)
-    panels = [
-        ("training loss vs update step", "train", "step", "loss", "update step", "loss"),
-        ("training loss vs wall time", "train", "time", "loss", "seconds", "loss"),
-    ]
-    panels += [
-        (f"eval {k} vs update step", "eval", "step", k, "update step", k) for k in metric_keys(runs)
-    ]
-    panels.append(
-        (
-            "throughput vs update step",
-            "train",
-            "step",
-            "samples_per_s",
-            "update step",
-            "global samples/s",
-        )
-    )
-    ncols = 2
-    nrows = math.ceil((len(panels) + 1) / ncols)  # + the per-rank update times
-    fig = Figure(figsize=(6.4 * ncols, 4.2 * nrows), layout="constrained")
+    # (record kind, key, y label)
+    panels = [("train", "loss", "training loss"), ("train", "lr", "learning rate")]
+    panels += [("eval", key, f"dev {key}") for key in metric_keys(runs)]
+    fig = Figure(figsize=(7.0, 1.7 * (len(panels) + 1) + 0.4), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    for ax, (title, kind, x, y, xlabel, ylabel) in zip(axes, panels, strict=False):
-        drawn = 0
+    axes = fig.subplots(len(panels) + 1, 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (kind, key, ylabel) in zip(axes, panels, strict=False):
         for i, (label, records) in enumerate(runs.items()):
-            xs, ys = _series(records, kind, x, y)
+            xs, ys = _series(records, kind, "step", key)
             if not xs:
                 continue
             style = "o-" if kind == "eval" or len(xs) == 1 else "-"
-            ax.plot(xs, ys, style, color=f"C{i % 10}", label=label, markersize=4)
-            drawn += 1
-        ax.set_title(title)
-        ax.set_xlabel(xlabel)
+            ax.plot(xs, ys, style, color=f"C{i % 10}", label=label, markersize=3, linewidth=1.4)
         ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        if drawn:
-            ax.legend(fontsize="small")
-        else:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-    _draw_rank_times(axes[len(panels)], runs)
-    for ax in axes[len(panels) + 1 :]:
-        ax.set_visible(False)
-    directory = os.path.dirname(os.fspath(output))
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-    fig.savefig(output, format="png", dpi=dpi)
+    _draw_rank_times(axes[-1], runs)
+    axes[-1].set_xlabel("optimizer update step")
+    axes[1].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    for ax in axes:
+        _finish_panel(ax, runs)
+    fig.align_ylabels(axes)
+    if len(runs) > 1:
+        axes[0].legend(fontsize="small", frameon=False)
+    return fig
+
+
+def _finish_panel(ax: Any, runs: dict[str, list[Record]]) -> None:
+    """Grid, tidy spines, "no data" on an empty panel and a dotted line where a run resumed."""
+    ax.grid(True, alpha=0.3, linewidth=0.6)
+    ax.spines[["top", "right"]].set_visible(False)
+    if not ax.lines:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    for records in runs.values():
+        for record in records:
+            step = record.get("step")
+            if record.get("kind") == "start" and _is_number(step) and step > 0:
+                ax.axvline(step, color="0.5", linestyle=":", linewidth=1)
 
 
 def _draw_rank_times(ax: Any, runs: dict[str, list[Record]]) -> None:
     """Per-rank update time: one line per rank of every run (a straggler stands out)."""
-    lines = 0
     for i, (label, records) in enumerate(runs.items()):
         for rank, (xs, ys) in sorted(rank_series(records).items()):
             name = f"{label} rank {rank}" if len(runs) > 1 else f"rank {rank}"
-            ax.plot(xs, ys, "-", color=f"C{(i + rank) % 10}", label=name)
-            lines += 1
-    ax.set_title("per-rank update time (data + compute) vs update step")
-    ax.set_xlabel("update step")
-    ax.set_ylabel("ms per update")
-    ax.grid(True, alpha=0.3)
-    if not lines:
-        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-    elif lines <= 16:  # beyond that the legend hides the plot
-        ax.legend(fontsize="small")
+            ax.plot(xs, ys, "-", color=f"C{(i + rank) % 10}", label=name, linewidth=1.2)
+    ax.set_ylabel("update time (ms)")
+    if 1 < len(ax.lines) <= 16:  # beyond that the legend hides the plot
+        ax.legend(fontsize="small", frameon=False, ncols=min(len(ax.lines), 4))
