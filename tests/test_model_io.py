@@ -38,9 +38,9 @@ def test_trainers_one_after_another_in_one_process(tmp_path: Path) -> None:
         assert rank0[name]["params"] == pytest.approx(rank0["ddp"]["params"], abs=1e-5), name
     # A model an FSDP trainer sharded, given to another: a clear error before any collective.
     assert result["reused"] == (
-        "model (BlockNet) was sharded by an earlier trainer (its parameters are DTensors), and a "
-        "model is wrapped once: build the model anew for this trainer, and load the weights the "
-        "first one saved (trainer.save_model) if it goes on from them"
+        "model (FSDPBlockNet) was sharded by an earlier trainer (its parameters are DTensors), "
+        "and a model is wrapped once: build the model anew for this trainer, and load the "
+        "weights the first one saved (trainer.save_model) if it goes on from them"
     )
 
 
