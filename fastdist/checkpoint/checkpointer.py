@@ -23,11 +23,18 @@ import shutil
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fastdist.checkpoint.files import SHARDED_REST, CheckpointDir, atomic_save
+from torch.distributed.checkpoint.api import CheckpointException
+
+from fastdist.checkpoint.files import (
+    SHARDED_REST,
+    CheckpointDir,
+    atomic_save,
+    checkpoint_write_failure,
+)
 from fastdist.checkpoint.format1 import upgrade
 from fastdist.checkpoint.resume import choose
 from fastdist.checkpoint.sharded import load_shards, publish, write_shards
-from fastdist.distributed import agreed, gather_object, get_rank, get_world_size
+from fastdist.distributed import agreed, broadcast_object, gather_object, get_rank, get_world_size
 from fastdist.logging import logger
 
 REPLICATED, PER_RANK, SHARDED = "replicated", "per_rank", "sharded"
@@ -150,7 +157,14 @@ class Checkpointer:
         path = os.path.join(self.dir.directory, f"step-{step:08d}")
         tmp = os.path.join(self.dir.directory, f".tmp-step-{step:08d}")
         master = self.rank == 0
-        written = write_shards(sharded, tmp, master, self.group)
+        try:
+            written = write_shards(sharded, tmp, master, self.group)
+        except CheckpointException as exc:  # DCP raises it on every rank: a full disk...
+            cause = exc.failures[min(exc.failures)][0]  # the first failed rank's error
+            message = checkpoint_write_failure(path, sharded, cause) if master else None
+            if master:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise OSError(broadcast_object(message, group=self.group)) from exc
         rest = os.path.join(tmp, SHARDED_REST)
         try:
             checksum = agreed(lambda: atomic_save(content, rest) if master else None, self.group)

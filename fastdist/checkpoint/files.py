@@ -112,14 +112,17 @@ def atomic_save(obj: Any, path: str) -> int:
             f.flush()
             checksum = crc32(f.name)
     except (OSError, RuntimeError) as exc:  # a full disk: torch says "unexpected pos ..."
-        raise OSError(write_failure("the checkpoint", path, obj, exc, _CHECKPOINT_FIX)) from exc
+        raise OSError(checkpoint_write_failure(path, obj, exc)) from exc
     return checksum
 
 
-_CHECKPOINT_FIX = (
-    "free space or use another save_path/checkpoint_dir, then train(resume='auto') continues "
-    "from the newest intact checkpoint"
-)
+def checkpoint_write_failure(path: str, obj: Any, exc: BaseException) -> str:
+    """:func:`write_failure` of the checkpoint ``path`` (of ``obj``), advising the resume."""
+    fix = (
+        "free space or use another save_path/checkpoint_dir, then train(resume='auto') "
+        "continues from the newest intact checkpoint"
+    )
+    return write_failure("the checkpoint", path, obj, exc, fix)
 
 
 def write_failure(what: str, path: str, obj: Any, exc: BaseException, fix: str) -> str:
