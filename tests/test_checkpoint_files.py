@@ -245,3 +245,26 @@ def test_a_rollback_in_place_sets_the_newer_checkpoints_aside(
     back = trainer(None, checkpoint_dir=str(asides[0]), n_epochs=2).train()
     assert back["steps"] == 12
     assert any(f"resumed from {asides[0] / 'step-00000006.pt'}:" in line for line in log_lines)
+
+
+def test_a_rollback_to_a_corrupt_checkpoint_moves_nothing(
+    tmp_path: Path, log_lines: list[str]
+) -> None:
+    """resume=<an older checkpoint of the directory> whose checksum fails: a one-line error
+    naming it, before anything is set aside; resume='auto' then continues from the newest."""
+    checkpoints = tmp_path / "checkpoints"
+    trainer(tmp_path, checkpoint_every=2).train()
+    flip_a_byte(checkpoints / "step-00000004.pt")
+    before = snapshot(checkpoints)
+    with pytest.raises(ValueError) as raised:
+        trainer(tmp_path, checkpoint_every=2).train(resume=checkpoints / "step-00000004.pt")
+    assert str(raised.value).startswith(
+        f"resume={str(checkpoints / 'step-00000004.pt')!r} cannot be resumed from: "
+        f"{checkpoints / 'step-00000004.pt'}: its CRC-32 does not match the manifest"
+    )
+    assert snapshot(checkpoints) == before
+    assert not list(tmp_path.glob("checkpoints-set-aside-*"))
+    assert "(nothing was moved)" in str(raised.value)
+    log_lines.clear()
+    assert trainer(tmp_path, checkpoint_every=2, n_epochs=2).train()["steps"] == 12
+    assert any(f"resumed from {checkpoints / 'step-00000006.pt'}:" in line for line in log_lines)

@@ -70,3 +70,47 @@ def test_a_full_disk_fails_every_rank_alike_and_the_resume_continues(
     resumed = run_case(tmp_path, {**case, "name": "resumed", "resume": "auto"})
     assert [outcome.get("error") for outcome in resumed] == [None, None], resumed
     assert [outcome["start_step"] for outcome in resumed] == [1, 1]
+
+
+def test_a_full_disk_at_the_best_model_fails_every_rank_alike_leaving_no_file(
+    tmp_path: Path, tmpfs: Path
+) -> None:
+    """The best model's filesystem full (the checkpoints elsewhere): every rank raises the
+    same one-line error naming the best model's file, its size and the cause; no file stays."""
+    save_path = tmpfs / "run"
+    case = {
+        "name": "best",
+        "config": "plain",
+        "save_path": str(save_path),
+        "checkpoint_dir": str(tmp_path / "checkpoints"),
+        "resume": False,
+        "evaluate": True,
+        "fill": [1, str(tmpfs / "filler"), 0],
+    }
+    outcomes = run_case(tmp_path, case)
+    assert outcomes[0] == outcomes[1], f"the ranks disagree: {outcomes}"
+    error = str(outcomes[0]["error"])
+    assert error.startswith(f"OSError: could not write the best model {save_path}/best_"), error
+    assert " MiB of tensors): no space left on its filesystem (" in error
+    assert error.endswith("; free space or use another save_path"), error
+    assert "\n" not in error
+    assert not list(save_path.glob("best_*")), list(save_path.iterdir())
+
+
+def test_a_full_disk_at_a_sharded_checkpoint_fails_every_rank_alike_leaving_no_temp_dir(
+    tmp_path: Path, tmpfs: Path
+) -> None:
+    """FSDP's DCP shards on a full disk: the same one-line error as a checkpoint file's on
+    every rank, not DCP's CheckpointException; its temp directory is removed."""
+    save_path = tmpfs / "run"
+    case = {"config": "fsdp", "save_path": str(save_path), "resume": False}
+    outcomes = run_case(tmp_path, {**case, "name": "fsdp", "fill": [1, str(tmpfs / "f"), 0]})
+    assert outcomes[0] == outcomes[1], f"the ranks disagree: {outcomes}"
+    error = str(outcomes[0]["error"])
+    checkpoints = save_path / "checkpoints"
+    second = checkpoints / "step-00000002"
+    assert error.startswith(f"OSError: could not write the checkpoint {second} (about "), error
+    assert " MiB of tensors): no space left on its filesystem (" in error
+    assert "then train(resume='auto') continues from the newest intact checkpoint" in error
+    assert "\n" not in error
+    assert sorted(os.listdir(checkpoints)) == ["manifest.json", "step-00000001"]

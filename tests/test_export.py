@@ -33,11 +33,13 @@ def snapshot(directory: Path) -> dict[str, bytes]:
     }
 
 
-def export(checkpoint: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+def export(
+    checkpoint: Path, out: Path, capsys: pytest.CaptureFixture[str], *flags: str
+) -> tuple[int, str]:
     """Run the command; its exit code and its message, which must be its output's last line
     and one line (the lines before: training's log, export's warnings)."""
     capsys.readouterr()
-    code = main(["export", str(checkpoint), str(out)])
+    code = main(["export", str(checkpoint), str(out), *flags])
     captured = capsys.readouterr()
     message = (captured.err if code else captured.out).rstrip("\n").splitlines()[-1]
     assert message.startswith("fastdist export: " if code else "wrote "), captured
@@ -96,6 +98,42 @@ def test_export_refuses_an_out_inside_the_checkpoint_directory(
     assert (snapshot(tmp_path / "ddp"), snapshot(tmp_path / "fsdp")) == before
     code, message = export(tmp_path / "link", tmp_path / "m.pt", capsys)  # outside: written
     assert code == 0, message
+
+
+def test_export_refuses_an_out_in_another_runs_checkpoints_or_an_existing_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another run's checkpoint file, its manifest, a new file beside them, a file in a
+    rollback's set-aside directory: refused, not a byte changed. An existing file elsewhere:
+    replaced only with --overwrite."""
+    source = checkpoints_of(tmp_path / "a")
+    other = checkpoints_of(tmp_path / "b")
+    aside = tmp_path / "b" / "checkpoints-set-aside-2026-01-01-00-00-00"
+    aside.mkdir()
+    os.replace(other / "step-00000003.pt", aside / "step-00000003.pt")
+    (aside / "manifest.json").write_text("[]")
+    before = snapshot(tmp_path / "b")
+    for out in [
+        other / "step-00000006.pt",
+        other / "manifest.json",
+        other / "new.pt",
+        aside / "step-00000003.pt",
+        aside / "manifest.json",
+    ]:
+        code, message = export(source, out, capsys)
+        assert code == 1, out
+        assert f"OUT={str(out)!r} lies in the checkpoint directory" in message, message
+    assert snapshot(tmp_path / "b") == before
+
+    (tmp_path / "m.pt").write_bytes(b"the user's")
+    code, message = export(source, tmp_path / "m.pt", capsys)
+    assert code == 1
+    assert f"OUT={str(tmp_path / 'm.pt')!r} exists already" in message, message
+    assert "--overwrite to replace it" in message
+    assert (tmp_path / "m.pt").read_bytes() == b"the user's"
+    code, message = export(source, tmp_path / "m.pt", capsys, "--overwrite")
+    assert code == 0, message
+    assert torch.load(tmp_path / "m.pt", weights_only=True).keys() == {"fc.weight", "fc.bias"}
 
 
 def test_export_names_the_file_it_cannot_read(

@@ -20,18 +20,23 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
-from fastdist.checkpoint.files import SHARDED_REST, CheckpointDir, atomic_save
+from torch.distributed.checkpoint.api import CheckpointException
+
+from fastdist.checkpoint.files import (
+    SHARDED_REST,
+    CheckpointDir,
+    atomic_save,
+    checkpoint_write_failure,
+)
 from fastdist.checkpoint.format1 import upgrade
 from fastdist.checkpoint.resume import choose
 from fastdist.checkpoint.sharded import load_shards, publish, write_shards
-from fastdist.distributed import all_gather_object, gather_object, get_rank, get_world_size
+from fastdist.distributed import agreed, broadcast_object, gather_object, get_rank, get_world_size
 from fastdist.logging import logger
 
-T = TypeVar("T")
 REPLICATED, PER_RANK, SHARDED = "replicated", "per_rank", "sharded"
 #: The layout this module writes: {"format", "world_size", "parts", "per_rank", "sharded"}
 #: (the names of the parts in the DCP shards).
@@ -131,7 +136,9 @@ class Checkpointer:
         if sharded:
             path = self._save_sharded(sharded, content, step)
         else:
-            path = self._agreed(lambda: directory.save(content, step) if self.rank == 0 else None)
+            path = agreed(
+                lambda: directory.save(content, step) if self.rank == 0 else None, self.group
+            )
         if self.rank == 0:
             logger.info("checkpoint written: %s", path)
         mine = path if self.rank == 0 else None
@@ -150,10 +157,17 @@ class Checkpointer:
         path = os.path.join(self.dir.directory, f"step-{step:08d}")
         tmp = os.path.join(self.dir.directory, f".tmp-step-{step:08d}")
         master = self.rank == 0
-        written = write_shards(sharded, tmp, master, self.group)
+        try:
+            written = write_shards(sharded, tmp, master, self.group)
+        except CheckpointException as exc:  # DCP raises it on every rank: a full disk...
+            cause = exc.failures[min(exc.failures)][0]  # the first failed rank's error
+            message = checkpoint_write_failure(path, sharded, cause) if master else None
+            if master:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise OSError(broadcast_object(message, group=self.group)) from exc
         rest = os.path.join(tmp, SHARDED_REST)
         try:
-            checksum = self._agreed(lambda: atomic_save(content, rest) if master else None)
+            checksum = agreed(lambda: atomic_save(content, rest) if master else None, self.group)
         except OSError:
             if master:  # the shards written meanwhile: nothing names them
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -167,19 +181,6 @@ class Checkpointer:
         publish(tmp, path)
         self.dir.record(path, files[SHARDED_REST], step, files)
         return path
-
-    def _agreed(self, write: Callable[[], T]) -> T:
-        """``write()`` on this rank, then a collective: if it failed on any rank (a full disk
-        on rank 0), every rank raises that rank's ``OSError``, with its message."""
-        error = None
-        try:
-            result = write()
-        except OSError as exc:
-            error = str(exc)
-        failed = next((e for e in all_gather_object(error, self.group) if e is not None), None)
-        if failed is not None:
-            raise OSError(failed)
-        return result
 
     def restore(self, resume: bool | str | os.PathLike) -> Resumed | None:
         """Restore every part from the checkpoint ``train(resume=...)`` asks for (a collective):

@@ -120,16 +120,16 @@ def read_model(path: str, cls: type[nn.Module]) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def export_checkpoint(checkpoint: str, out: str, format: str) -> str:
+def export_checkpoint(checkpoint: str, out: str, format: str, overwrite: bool = False) -> str:
     """Write the model of ``checkpoint`` (see :func:`checkpoint_weights`) to the file ``out``
     in ``format`` (``"torch"`` or ``"safetensors"``); return the checkpoint it came from.
-    ``out`` may not lie in the checkpoint directory (links resolved): it would replace a
-    checkpoint's file or the manifest."""
+    ``out`` may not lie in any checkpoint directory (links resolved): it would replace a
+    checkpoint's file or a manifest; nor replace a file unless ``overwrite``."""
     check_choice("format", format, FORMATS[:2])
     if format == "safetensors":
         _safetensors("format")
     check_target("OUT", out, format)
-    _check_outside(out, checkpoint)
+    _check_out(out, checkpoint, overwrite)
     weights, source = checkpoint_weights(checkpoint)
     write_model(weights, out, format)
     return source
@@ -167,24 +167,41 @@ def _is_checkpoint_dir(path: str) -> bool:
     return os.path.isdir(path) and not os.path.exists(os.path.join(path, ".metadata"))
 
 
-def _check_outside(out: str, checkpoint: str) -> None:
-    """Refuse an ``out`` that is ``checkpoint`` or lies in it (a directory), or in the
-    checkpoint directory whose manifest lists it: it would replace a checkpoint's file."""
-    checkpoint = os.path.abspath(checkpoint)
-    homes = [os.path.dirname(checkpoint), checkpoint]
-    homes = [home for home in homes if os.path.isfile(os.path.join(home, MANIFEST))]
-    if not _is_checkpoint_dir(checkpoint):  # a file, a sharded checkpoint
-        homes.append(checkpoint)
+def _holds_checkpoints(directory: str) -> bool:
+    """Whether ``directory`` is fastdist's: a sharded checkpoint, or a checkpoint directory
+    (a ``manifest.json`` of ours, a rollback's set-aside one included, or ``step-*`` ones)."""
+    if os.path.exists(os.path.join(directory, ".metadata")):
+        return True
+    try:
+        held = CheckpointDir(directory, keep=1).held()
+    except (OSError, ValueError):  # unreadable, or someone else's manifest.json
+        return False
+    return bool(held) or os.path.isfile(os.path.join(directory, MANIFEST))
+
+
+def _check_out(out: str, checkpoint: str, overwrite: bool) -> None:
+    """Refuse an ``out`` that is ``checkpoint``, lies in any fastdist checkpoint directory
+    (links resolved: it would replace a checkpoint's file or a manifest), or is a file that
+    exists already, unless ``overwrite``."""
     target = os.path.realpath(out)
-    for home in map(os.path.realpath, homes):
-        if target == home:
-            raise ValueError(f"the output {out!r} is the checkpoint itself: pass another path")
-        if os.path.commonpath([target, home]) == home:
+    if target == os.path.realpath(checkpoint):
+        raise ValueError(f"the output {out!r} is the checkpoint itself: pass another path")
+    directory = os.path.dirname(target)
+    while True:
+        if _holds_checkpoints(directory):
             raise ValueError(
-                f"OUT={out!r} lies in the checkpoint directory {home!r} (links resolved), "
-                "where it would replace a checkpoint's file or the manifest: pass a path "
-                "outside it"
+                f"OUT={out!r} lies in the checkpoint directory {directory!r} (links "
+                "resolved), where it would replace a checkpoint's file or the manifest: pass "
+                "a path outside it"
             )
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            break
+        directory = parent
+    if os.path.lexists(out) and not overwrite:
+        raise FileExistsError(
+            f"OUT={out!r} exists already: pass another path, or --overwrite to replace it"
+        )
 
 
 def _verified(path: str) -> str:

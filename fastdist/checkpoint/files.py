@@ -112,23 +112,29 @@ def atomic_save(obj: Any, path: str) -> int:
             f.flush()
             checksum = crc32(f.name)
     except (OSError, RuntimeError) as exc:  # a full disk: torch says "unexpected pos ..."
-        raise OSError(_write_failure(path, _tensor_bytes(obj), exc)) from exc
+        raise OSError(checkpoint_write_failure(path, obj, exc)) from exc
     return checksum
 
 
-def _write_failure(path: str, size: int, exc: BaseException) -> str:
-    """Why writing ``size`` bytes of tensors to ``path`` failed, in one line (its temp file is
-    gone already): no space, if less is free than it needs, else ``exc``'s own words."""
+def checkpoint_write_failure(path: str, obj: Any, exc: BaseException) -> str:
+    """:func:`write_failure` of the checkpoint ``path`` (of ``obj``), advising the resume."""
+    fix = (
+        "free space or use another save_path/checkpoint_dir, then train(resume='auto') "
+        "continues from the newest intact checkpoint"
+    )
+    return write_failure("the checkpoint", path, obj, exc, fix)
+
+
+def write_failure(what: str, path: str, obj: Any, exc: BaseException, fix: str) -> str:
+    """Why writing ``what`` (the tensors of ``obj``) to ``path`` failed, in one line ending
+    in ``fix``: no space, if less is free than it needs, else ``exc``'s own words."""
+    size = _tensor_bytes(obj)
     usage = shutil.disk_usage(os.path.dirname(os.path.abspath(path)))
     if usage.free < size or getattr(exc, "errno", None) == errno.ENOSPC:
         cause = f"no space left on its filesystem ({_mib(usage.free)} free)"
     else:
         cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
-    return (
-        f"could not write the checkpoint {path} (about {_mib(size)} of tensors): {cause}; free "
-        "space or use another save_path/checkpoint_dir, then train(resume='auto') continues "
-        "from the newest intact checkpoint"
-    )
+    return f"could not write {what} {path} (about {_mib(size)} of tensors): {cause}; {fix}"
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -298,10 +304,7 @@ class CheckpointDir:
             path = os.path.join(self.directory, entry["file"])
             os.replace(tmp, path)
         except BaseException:
-            if os.path.isdir(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                _remove(tmp)
+            remove(tmp)
             raise
         fsync_dir(self.directory)
         self.record(path, entry["crc32"], entry["step"], entry.get("files"))
@@ -336,7 +339,10 @@ def _copy_synced(source: str, target: str) -> None:
         os.fsync(f.fileno())
 
 
-def _remove(path: str) -> None:
+def remove(path: str) -> None:
+    """Delete the file or folder ``path``, if there."""
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         os.remove(path)
 

@@ -69,10 +69,7 @@ def choose(
             assert checkpoint is not None
             return checkpoint, candidate.path
         if plan.explicit:
-            raise ValueError(
-                f"resume={candidate.path!r} cannot be resumed from: {problem}; pass another "
-                "checkpoint, or resume='auto' (the newest valid one in the checkpoint directory)"
-            )
+            raise ValueError(_cannot_resume(candidate.path, problem))
         if rank == 0:
             logger.warning("skipping checkpoint %s: %s", candidate.path, problem)
     return None
@@ -159,7 +156,8 @@ def _plan(
 def _check_may_start(directory: CheckpointDir, path: str | None) -> None:
     """Refuse a run that would prune or overwrite checkpoints it does not continue: a fresh
     start (``path`` ``None``) or one from elsewhere where the directory holds checkpoints. One
-    from a checkpoint of the directory older than others there first sets those aside."""
+    from a checkpoint of the directory older than others there first verifies it (checksums),
+    then sets those aside."""
     held = directory.held()
     if not held:
         return
@@ -169,7 +167,10 @@ def _check_may_start(directory: CheckpointDir, path: str | None) -> None:
     if name not in held or not _same_dir(path, directory.directory):
         _refuse(directory, "checkpoints", held, f"a run resumed from {path!r}")
     newer = sorted(other for other, step in held.items() if step > held[name])
-    if newer:  # a rollback in place: the newer ones are kept, elsewhere
+    if newer:  # a rollback in place: the newer ones are kept, elsewhere, if it verifies
+        problem = unverified(listed(path))
+        if problem is not None:
+            raise ValueError(_cannot_resume(path, f"{problem} (nothing was moved)"))
         aside = directory.set_aside(newer)
         logger.warning(
             "rolling back to %s: the %d newer checkpoint(s) of %s (%s) were moved to %s, with "
@@ -182,6 +183,13 @@ def _check_may_start(directory: CheckpointDir, path: str | None) -> None:
         )
         held = directory.held()
     directory.adopt(held)  # it continues the newest: the directory's checkpoints are its own
+
+
+def _cannot_resume(path: str, problem: str) -> str:
+    return (
+        f"resume={path!r} cannot be resumed from: {problem}; pass another checkpoint, or "
+        "resume='auto' (the newest valid one in the checkpoint directory)"
+    )
 
 
 def _refuse(directory: CheckpointDir, what: str, names: Iterable[str], run: str) -> NoReturn:

@@ -5,8 +5,9 @@ Offline, in one process, with no process group: CHECKPOINT is a checkpoint fastd
 ranks), a checkpoint directory (its newest checkpoint) or a plain ``state_dict`` file (a
 best model). OUT gets the whole model's ``state_dict``: a ``.safetensors`` file
 (``--format safetensors``, the default for a name ending in ``.safetensors``) or a
-``torch.save`` file (``--format torch``). Only the model is read: a sharded checkpoint's
-optimizer shards stay on disk.
+``torch.save`` file (``--format torch``); an existing OUT is replaced only with
+``--overwrite``, and OUT may lie in no checkpoint directory. Only the model is read: a
+sharded checkpoint's optimizer shards stay on disk.
 
 Example:
     python -m fastdist export save/checkpoints model.safetensors
@@ -36,6 +37,9 @@ def add_parser(commands: Any) -> None:
         choices=("torch", "safetensors"),
         help="default: safetensors if OUT ends in .safetensors, else torch",
     )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace OUT if it exists (refused otherwise)"
+    )
     parser.set_defaults(run=run)
 
 
@@ -43,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     """Export; return 0, or 1 with a message on stderr."""
     format = args.format or ("safetensors" if args.out.endswith(".safetensors") else "torch")
     try:
-        source = export_checkpoint(args.checkpoint, args.out, format)
+        source = export_checkpoint(args.checkpoint, args.out, format, args.overwrite)
     except (OSError, ValueError, TypeError, ImportError) as exc:
         print(f"fastdist export: {exc}", file=sys.stderr)
         return 1

@@ -1,6 +1,7 @@
 """Process group, rank queries and collectives that also work in a one-process world."""
 
 from fastdist.distributed.collectives import (
+    agreed,
     all_gather_object,
     all_reduce_sum,
     barrier,
@@ -26,6 +27,7 @@ from fastdist.distributed.env import (
 )
 
 __all__ = [
+    "agreed",
     "all_gather_object",
     "all_reduce_sum",
     "agreed_backend",

@@ -119,6 +119,20 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     return gathered
 
 
+def agreed(action: Callable[[], T], group: Any = None) -> T:
+    """``action()`` on this rank, then a collective: if it raised ``OSError`` on any rank (a
+    full disk on rank 0), every rank raises an ``OSError`` with that rank's message."""
+    error = None
+    try:
+        result = action()
+    except OSError as exc:
+        error = str(exc)
+    failed = next((e for e in all_gather_object(error, group) if e is not None), None)
+    if failed is not None:
+        raise OSError(failed)
+    return result
+
+
 def gather_object(obj: Any, group: Any = None) -> list[Any] | None:
     """Return the list of ``obj`` from every rank on rank 0 (``None`` on the others)."""
     if not _several_processes():

@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 from fastdist.checkpoint.export import SUFFIXES, read_model, write_model
-from fastdist.checkpoint.files import claim_new
-from fastdist.distributed import get_rank
+from fastdist.checkpoint.files import claim_new, remove, write_failure
+from fastdist.distributed import agreed, get_rank
 from fastdist.strategies import Strategy, model_class
 
 
@@ -24,6 +24,7 @@ class BestModel:
 
     Args:
         format: how the file is written (:data:`~fastdist.checkpoint.export.FORMATS`).
+        group: the process group whose ranks agree on a failed write.
     """
 
     def __init__(
@@ -32,8 +33,10 @@ class BestModel:
         save_path: str | None,
         keep_in_memory: bool,
         format: str = "torch",
+        group: Any = None,
     ) -> None:
         self.strategy = strategy
+        self.group = group
         self.save_path = save_path
         self.keep_in_memory = keep_in_memory
         self.format = format
@@ -41,22 +44,38 @@ class BestModel:
         self._weights: dict[str, Any] | None = None
 
     def save(self, metric_key: str) -> None:
-        """Called on every rank when an evaluation is the best so far (FSDP gathers)."""
+        """Called on every rank when an evaluation is the best so far (FSDP gathers). A file
+        that cannot be written (a full disk) raises the same ``OSError`` on every rank."""
         if self.save_path is None and not self.keep_in_memory:
             return
         weights = self.strategy.full_state_dict()
-        if weights is None:  # not rank 0
-            return
         if self.save_path is None:
-            self._weights = weights
+            if weights is not None:  # rank 0
+                self._weights = weights
             return
+        agreed(lambda: None if weights is None else self._write(weights, metric_key), self.group)
+
+    def _write(self, weights: dict[str, Any], metric_key: str) -> None:
+        """Rank 0: write ``weights`` to the run's best-model file, claimed at its first call;
+        on failure the file claimed then is removed, and the error names it."""
+        claimed = self.path is None
         if self.path is None:
+            assert self.save_path is not None
             stamp = time.strftime("%Y-%m-%d-%H-%M-%S")
             cls = model_class(self.strategy.model).__name__  # not FSDP's FSDP<Name>
             stem = os.path.join(self.save_path, f"best_{cls}_{metric_key}_{stamp}")
             os.makedirs(self.save_path, exist_ok=True)
             self.path = claim_new(stem, SUFFIXES[self.format], folder=self.format == "hf")
-        write_model(weights, self.path, self.format, self.strategy.model)
+        path = self.path
+        try:
+            write_model(weights, path, self.format, self.strategy.model)
+        except (OSError, RuntimeError) as exc:
+            if claimed:  # empty: nothing of the user's
+                remove(path)
+                self.path = None
+            cause = exc.__cause__ or exc  # atomic_save's own words speak of a checkpoint
+            fix = "free space or use another save_path"
+            raise OSError(write_failure("the best model", path, weights, cause, fix)) from exc
 
     def load(self, is_master: bool) -> None:
         """Rank 0 loads the best weights; every rank then holds them (a collective)."""

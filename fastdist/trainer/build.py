@@ -241,7 +241,11 @@ def _validator(args: Arguments, strategy: Strategy, forward: Any, world: World) 
         world.topology,
     )
     best = BestModel(
-        strategy, options.save_path, options.load_best_model, options.best_model_format
+        strategy,
+        options.save_path,
+        options.load_best_model,
+        options.best_model_format,
+        world.group,
     )
     return Validator(
         args.dev_data, evaluator, args.metric_key, args.larger_better, options.validate_every, best

@@ -7,7 +7,9 @@ Usage (under torchrun)::
 
 ``CASES_JSON`` lists ``{"name", "config", "save_path", "resume"}`` (``resume``: ``"auto"``,
 ``false`` or a path; an optional ``"fill": [STEP, FILE]`` makes rank 0 fill the checkpoints'
-filesystem with ``FILE`` after update STEP, leaving half a checkpoint's space); the cases
+filesystem with ``FILE`` after update STEP, leaving half a checkpoint's space, or none with
+``"fill": [STEP, FILE, 0]``; an optional ``"checkpoint_dir"`` moves the checkpoints there;
+``"evaluate": true`` evaluates every epoch, keeping the best model in a file); the cases
 run in order in one process (group), each a trainer of resume_worker.py's ``config`` that
 trains with ``train(resume=...)``. Rank R writes
 ``OUT_DIR/<name>.rank<R>.json``: ``{"error": "<type>: <message>"}`` when ``train()`` raised,
@@ -24,16 +26,18 @@ from pathlib import Path
 from typing import Any
 
 from workers.resume_worker import IdLog, build_trainer, flat_params, write_json
+from workers.trainer_worker import ToyData
 
-from fastdist import Callback, get_rank
+from fastdist import AccuracyMetric, Callback, get_rank
 
 
 class FillDisk(Callback):
     """After update ``step`` (its checkpoint written), fill the filesystem of ``filler`` with
-    it, but for half the size of that checkpoint: the next checkpoint fails part-written."""
+    it, but for ``spare`` bytes (default: half the size of that checkpoint, so that the next
+    checkpoint fails part-written)."""
 
-    def __init__(self, step: int, filler: str, checkpoints: Path) -> None:
-        self.step, self.filler, self.checkpoints = step, filler, checkpoints
+    def __init__(self, step: int, filler: str, checkpoints: Path, spare: int | None = None) -> None:
+        self.step, self.filler, self.checkpoints, self.spare = step, filler, checkpoints, spare
 
     def on_batch_end(self) -> None:
         if self.trainer.state.global_step != self.step or os.path.exists(self.filler):
@@ -46,15 +50,26 @@ class FillDisk(Callback):
                         os.write(fd, block)
         finally:
             os.close(fd)
-        spare = (self.checkpoints / f"step-{self.step:08d}.pt").stat().st_size // 2
+        spare = self.spare
+        if spare is None:
+            spare = (self.checkpoints / f"step-{self.step:08d}.pt").stat().st_size // 2
         os.truncate(self.filler, os.path.getsize(self.filler) - spare)
 
 
 def run_case(case: dict[str, Any], out: Path) -> dict[str, Any]:
     ids = IdLog(out / f"{case['name']}.rank{get_rank()}.ids.jsonl")
     save_path = Path(case["save_path"])
-    fill = [] if "fill" not in case else [FillDisk(*case["fill"], save_path / "checkpoints")]
-    trainer = build_trainer(case["config"], save_path, callbacks=[ids], callbacks_master=fill)
+    checkpoints = Path(case.get("checkpoint_dir", save_path / "checkpoints"))
+    fill = []
+    if "fill" in case:
+        step, filler, *spare = case["fill"]
+        fill = [FillDisk(step, filler, checkpoints, *spare)]
+    options: dict[str, Any] = {"checkpoint_dir": str(checkpoints)}
+    if case.get("evaluate"):
+        options.update(dev_data=ToyData(16, seed=1), metrics=AccuracyMetric(), metric_key="acc")
+    trainer = build_trainer(
+        case["config"], save_path, callbacks=[ids], callbacks_master=fill, **options
+    )
     try:
         trainer.train(resume=case["resume"])
     except Exception as exc:  # the outcome under test: the same on every rank

@@ -180,8 +180,10 @@ def build_trainer(
     callbacks: list[Callback] | None = None,
     batch: int = BATCH,
     callbacks_master: list[Callback] | None = None,
+    **options: Any,
 ) -> DistTrainer:
-    """The trainer of ``config``, built from fixed seeds (the same in every attempt)."""
+    """The trainer of ``config``, built from fixed seeds (the same in every attempt);
+    ``options``: more DistTrainer arguments."""
     update_every, schedule, strategy, dropout, keep = CONFIGS[config]
     torch.manual_seed(1234)  # the model's init and the first dropout masks
     model = DropNet(dropout)
@@ -208,6 +210,7 @@ def build_trainer(
         checkpoint_every=checkpoint_every,
         keep_checkpoints=keep,
         strategy=strategy,
+        **options,
     )
 
 
