@@ -304,6 +304,25 @@ def test_save_model_refuses_bad_arguments(no_dist_env: None, tmp_path: Path) -> 
     assert sorted(os.listdir(tmp_path)) == ["file"]  # nothing written
 
 
+def test_save_model_never_writes_into_a_checkpoint_directory(
+    no_dist_env: None, tmp_path: Path
+) -> None:
+    """It replaced a checkpoint file or the manifest, and the next resume failed."""
+    trainer = make_trainer(Callback(), save_path=str(tmp_path / "save"), n_epochs=1)
+    trainer.train()
+    checkpoints = tmp_path / "save" / "checkpoints"
+    before = {p.name: p.read_bytes() for p in checkpoints.iterdir()}
+    step = next(name for name in before if name.startswith("step-"))
+    for path in [checkpoints / step, checkpoints / "manifest.json", checkpoints / "model.pt"]:
+        with pytest.raises(ValueError, match="lies in the checkpoint directory .*: pass a path"):
+            trainer.save_model(path)
+    hf_trainer = DistTrainer(lm_data(8), GPT2(tiny_config()), device="cpu", use_tqdm=False)
+    with pytest.raises(ValueError, match="lies in the checkpoint directory .*: pass a path"):
+        hf_trainer.save_model(checkpoints, format="hf")  # the folder itself
+    assert {p.name: p.read_bytes() for p in checkpoints.iterdir()} == before
+    assert trainer.save_model(tmp_path / "save" / "model.pt") == str(tmp_path / "save/model.pt")
+
+
 def test_save_model_into_a_folder_keeps_its_other_files(no_dist_env: None, tmp_path: Path) -> None:
     model = GPT2(tiny_config())
     trainer = DistTrainer(lm_data(8), model, device="cpu", use_tqdm=False)

@@ -76,7 +76,8 @@ def check_path(path: Any) -> str:
 
 def check_target(name: str, path: str, format: str) -> None:
     """Raise unless ``path`` (the argument ``name``) can take ``format``'s file or folder
-    (probed: nothing is created)."""
+    (probed: nothing is created) without touching a checkpoint directory."""
+    refuse_in_checkpoints(name, path, folder=format == "hf")
     if format == "hf":
         if os.path.isfile(path):
             raise ValueError(
@@ -128,8 +129,8 @@ def export_checkpoint(checkpoint: str, out: str, format: str, overwrite: bool = 
     check_choice("format", format, FORMATS[:2])
     if format == "safetensors":
         _safetensors("format")
-    check_target("OUT", out, format)
     _check_out(out, checkpoint, overwrite)
+    check_target("OUT", out, format)
     weights, source = checkpoint_weights(checkpoint)
     write_model(weights, out, format)
     return source
@@ -179,25 +180,32 @@ def _holds_checkpoints(directory: str) -> bool:
     return bool(held) or os.path.isfile(os.path.join(directory, MANIFEST))
 
 
-def _check_out(out: str, checkpoint: str, overwrite: bool) -> None:
-    """Refuse an ``out`` that is ``checkpoint``, lies in any fastdist checkpoint directory
-    (links resolved: it would replace a checkpoint's file or a manifest), or is a file that
-    exists already, unless ``overwrite``."""
+def refuse_in_checkpoints(name: str, out: str, folder: bool = False) -> None:
+    """Refuse an ``out`` (the argument ``name``) that lies in any fastdist checkpoint directory,
+    links resolved, where it would replace a checkpoint's file or the manifest (with
+    ``folder``: or that is such a directory, which writing a folder there would replace)."""
     target = os.path.realpath(out)
-    if target == os.path.realpath(checkpoint):
-        raise ValueError(f"the output {out!r} is the checkpoint itself: pass another path")
-    directory = os.path.dirname(target)
+    directory = target if folder else os.path.dirname(target)
     while True:
         if _holds_checkpoints(directory):
             raise ValueError(
-                f"OUT={out!r} lies in the checkpoint directory {directory!r} (links "
+                f"{name}={out!r} lies in the checkpoint directory {directory!r} (links "
                 "resolved), where it would replace a checkpoint's file or the manifest: pass "
                 "a path outside it"
             )
         parent = os.path.dirname(directory)
         if parent == directory:
-            break
+            return
         directory = parent
+
+
+def _check_out(out: str, checkpoint: str, overwrite: bool) -> None:
+    """Refuse an ``out`` that is ``checkpoint``, lies in any fastdist checkpoint directory
+    (links resolved: it would replace a checkpoint's file or a manifest), or is a file that
+    exists already, unless ``overwrite``."""
+    if os.path.realpath(out) == os.path.realpath(checkpoint):
+        raise ValueError(f"the output {out!r} is the checkpoint itself: pass another path")
+    refuse_in_checkpoints("OUT", out)
     if os.path.lexists(out) and not overwrite:
         raise FileExistsError(
             f"OUT={out!r} exists already: pass another path, or --overwrite to replace it"
