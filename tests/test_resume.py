@@ -397,10 +397,13 @@ def test_sigterm_preempts_with_a_checkpoint_and_resumes_exactly(
     assert first.returncode != 0, first.describe()
     output = first.output
     assert output.count("SIGTERM received; stopping at step 4") == 1, first.describe()
-    written = output.find("[rank 0] pre-empted: checkpoint written at step 4: ")
     path = checkpoint_path(tmp_path, config, 4)
+    # Rank 0 logs the write before it tells the others (its own pre-emption line comes after
+    # that broadcast, so it may print after rank 1's).
+    written = output.find(f"[rank 0] checkpoint written: {path}")
     told = output.find(f"[rank 1] pre-empted at step 4: rank 0 wrote the checkpoint {path}")
     assert 0 <= written < told, first.describe()
+    assert f"[rank 0] pre-empted: checkpoint written at step 4: {path}" in output
     # torchrun's summary: one "exitcode  : N (pid: P)" per rank
     assert re.findall(r"exitcode\s+:\s*(-?\d+)", output) == ["143"] * SIZE, first.describe()
     for rank in range(SIZE):
