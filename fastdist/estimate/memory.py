@@ -105,7 +105,7 @@ def estimate_memory(
 
     Accuracy: activations count what autograd keeps and one gradient, not the tensors alive
     only while an operation runs (unkept intermediates of a block, the gradients of backward);
-    measured peaks were 0.83 to 1.35 times the estimate (conv nets the most above: README).
+    measured peaks were 0.79 to 1.35 times the estimate (conv nets the most above: docs).
 
     Args:
         model, optimizer: as given to ``DistTrainer`` (the optimizer has not stepped).
