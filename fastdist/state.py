@@ -6,7 +6,19 @@ It sits below the trainer and the callbacks, the two packages that share it.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+
+class OptionsView(Protocol):
+    """What callbacks and loggers read of the trainer's options."""
+
+    @property
+    def print_every(self) -> int: ...
+
+    @property
+    def save_path(self) -> str | None: ...
+
+    def as_dict(self) -> dict[str, Any]: ...
 
 
 @dataclass

@@ -12,17 +12,7 @@ from torch import nn
 
 from fastdist.distributed.guard import no_collectives
 from fastdist.logging import logger
-from fastdist.state import TrainerState
-
-
-class _Options(Protocol):
-    @property
-    def print_every(self) -> int: ...
-
-    @property
-    def save_path(self) -> str | None: ...
-
-    def as_dict(self) -> dict[str, Any]: ...
+from fastdist.state import OptionsView, TrainerState
 
 
 class _Precision(Protocol):
@@ -42,7 +32,7 @@ class TrainerView(Protocol):
     global_batch: int
 
     @property
-    def options(self) -> _Options: ...
+    def options(self) -> OptionsView: ...
 
     @property
     def precision(self) -> _Precision: ...

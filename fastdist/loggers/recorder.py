@@ -12,17 +12,7 @@ import torch
 
 from fastdist.loggers.backend import Logger, RunContext
 from fastdist.logging import logger
-from fastdist.state import TrainerState
-
-
-class _Options(Protocol):
-    @property
-    def print_every(self) -> int: ...
-
-    @property
-    def save_path(self) -> str | None: ...
-
-    def as_dict(self) -> dict[str, Any]: ...
+from fastdist.state import OptionsView, TrainerState
 
 
 class LoggedTrainer(Protocol):
@@ -35,7 +25,7 @@ class LoggedTrainer(Protocol):
     global_batch: int
 
     @property
-    def options(self) -> _Options: ...
+    def options(self) -> OptionsView: ...
 
 
 class RunLog:
