@@ -133,7 +133,7 @@ class Strategy:
         topology: Topology | None = None,
     ) -> None:
         """Hold the parts :meth:`setup` wraps (the first thing every ``setup`` does)."""
-        self.topology = topology or Topology.of(self, device.type, group)
+        self.topology = topology or Topology.of(self, device.type)
         self.model = self.module = model
         self.optimizer, self.device, self.group = optimizer, device, group
         self.own_groups: list[Any] = []  # process groups this strategy created

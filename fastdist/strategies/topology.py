@@ -63,7 +63,6 @@ class Topology:
             1); their product must be ``world_size``.
         rank, world_size: this process's place in the job.
         device_type: the device type of the meshes (``"cpu"``, ``"cuda"``).
-        group: the process group of a one-dimensional mesh (``None``: the default group).
         timeout: seconds the process groups of a mesh may wait (``None``: torch's default).
 
     Example:
@@ -82,7 +81,6 @@ class Topology:
         rank: int,
         world_size: int,
         device_type: str = "cpu",
-        group: Any = None,
         timeout: float | None = None,
     ) -> None:
         unknown = sorted(set(degrees) - set(DIMS))
@@ -96,7 +94,7 @@ class Topology:
                 f"but the world has {world_size}"
             )
         self.rank, self.world_size = rank, world_size
-        self.device_type, self.group, self.timeout = device_type, group, timeout
+        self.device_type, self.timeout = device_type, timeout
         self._coords = self._unravel(rank)
 
     @classmethod
@@ -104,7 +102,6 @@ class Topology:
         cls,
         strategy: HasDegrees,
         device_type: str = "cpu",
-        group: Any = None,
         timeout: float | None = None,
     ) -> Topology:
         """The layout ``strategy`` wants over this job (rank and world size from the process
@@ -115,7 +112,7 @@ class Topology:
                 "'ddp' or None, Topology.of(FSDP()) for 'fsdp' (from fastdist.strategies)"
             )
         world = get_world_size()
-        return cls(strategy.degrees(world), get_rank(), world, device_type, group, timeout)
+        return cls(strategy.degrees(world), get_rank(), world, device_type, timeout)
 
     def size(self, *dims: str) -> int:
         """How many ranks the dimensions ``dims`` span together."""
@@ -170,7 +167,7 @@ class Topology:
         whatever their process groups, so a later trainer's DTensors would otherwise be sent
         through a group torn down with an earlier trainer ("Could not resolve the process
         group"). Its groups time out like the first trainer's."""
-        whole = _mesh(self.device_type, self.dims, self.sizes, self.group, self.timeout)
+        whole = _mesh(self.device_type, self.dims, self.sizes, self.timeout)
         dims = dims or self.dims
         return whole if dims == self.dims else whole[dims]
 
@@ -190,7 +187,7 @@ _MESHES: dict[tuple[str, tuple[str, ...], tuple[int, ...]], DeviceMesh] = {}
 
 
 def _mesh(
-    device_type: str, dims: tuple[str, ...], sizes: dict[str, int], group: Any, timeout: Any
+    device_type: str, dims: tuple[str, ...], sizes: dict[str, int], timeout: float | None
 ) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -177,7 +177,7 @@ def _form_world(options: TrainerOptions, device: torch.device) -> World:
     group = None  # a group of our own bounds every wait of the trainer by the timeout
     if is_distributed() and options.timeout is not None:
         group = dist.new_group(timeout=datetime.timedelta(seconds=options.timeout))
-    topology = Topology.of(options.strategy, device.type, group, options.timeout)
+    topology = Topology.of(options.strategy, device.type, options.timeout)
     return World(device, rank, size, group, PositionBoard(rank, size), topology)
 
 
