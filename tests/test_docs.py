@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -69,3 +70,14 @@ def test_example_parses_and_names_real_fastdist_names(page: Path, line: int, cod
             assert hasattr(importlib.import_module("fastdist"), node.attr), (
                 f"{page.name}:{line}: fastdist.{node.attr}"
             )
+
+
+def test_the_arguments_table_lists_every_argument_of_dist_trainer() -> None:
+    from fastdist import DistTrainer
+
+    page = (ROOT / "docs" / "concepts.rst").read_text()
+    table = page.split("DistTrainer arguments\n", 1)[1].split("\n\n", 2)[1]
+    listed = set(re.findall(r"^``(\w+)``", table, flags=re.MULTILINE))
+    wanted = set(inspect.signature(DistTrainer).parameters) - {"unknown"}
+    assert not wanted - listed, f"missing from docs/concepts.rst's table: {wanted - listed}"
+    assert not listed - wanted, f"not arguments of DistTrainer: {listed - wanted}"
