@@ -1,7 +1,9 @@
 """Loggers as backends: real trainings (torchrun, 2 processes) written to MLflow (an SQLite
 store read back with MlflowClient), W&B (offline files parsed back), TensorBoard (its event
-reader) and fitlog, each compared with ``log.jsonl``; a killed and resumed run; failing
-backends (a full disk, a missing package) that warn once while training finishes."""
+reader) and fitlog, each compared with ``log.jsonl``; a killed and resumed run, and a rollback;
+failing backends (a full disk, a missing package, an unreachable server, a state that cannot be
+saved or restored) that warn once while training finishes; a save_path held by another run;
+bad backend arguments refused when built."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class Run:
     result: Result
     save: Path
     records: list[dict[str, Any]]
+    first: Result | None = None  # the killed launch a resume followed
 
     def expected(self, last: bool = False) -> dict[str, dict[int, float]]:
         """Every scalar of ``log.jsonl``: name -> {step: value}, the first value of a step
@@ -63,11 +66,14 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """Killed and resumed, with backends whose state cannot be saved or restored."""
     out = tmp_path_factory.mktemp("resumed")
-    killed = launch(out, "--kill-at", "13", check=False)
+    killed = launch(out, "--kill-at", "13", "--bad-state", check=False)
     assert killed.result.returncode != 0, killed.result.describe()
     assert not (out / "result.json").exists()
-    return launch(out)
+    run = launch(out, "--bad-state")
+    run.first = killed.result
+    return run
 
 
 def mlflow_history(save: Path) -> tuple[list[Any], dict[str, list[tuple[int, float]]]]:
@@ -195,6 +201,17 @@ def test_a_killed_and_resumed_run_continues_the_same_runs(resumed: Run) -> None:
     run_files = sorted(resumed.save.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(run_files) == 2 and run_files[0].name == run_files[1].name, "the same W&B run"
     assert min(step for s in wandb_history(run_files[1]).values() for step, _ in s) > 10
+
+
+@pytest.mark.slow
+def test_a_backend_whose_state_fails_warns_once_and_the_resume_goes_on(resumed: Run) -> None:
+    assert resumed.first is not None
+    for output in (resumed.first.output, resumed.result.output):
+        assert output.count("logger BadSave failed (state_dict") == 1, output
+    loads = [line for line in resumed.result.output.splitlines() if "logger BadLoad" in line]
+    assert len(loads) == 1 and "load_state_dict" in loads[0], resumed.result.output
+    assert "starts afresh" in loads[0]
+    assert [r["kind"] for r in resumed.records][-1] == "end"
 
 
 # In-process: a one-process world without a process group.
