@@ -20,7 +20,7 @@ from inprocess import make_trainer
 from launch import Result, run_torchrun
 
 from fastdist.callbacks import RunLogCallback
-from fastdist.loggers import JsonLogger, MLflowLogger
+from fastdist.loggers import JsonLogger, MLflowLogger, TensorBoardLogger
 from fastdist.loggers.backend import scalars
 
 pytest.importorskip("mlflow")
@@ -258,3 +258,32 @@ def test_a_full_disk_warns_once(tmp_path: Path, log_lines: list[str]) -> None:
 def test_bad_loggers_are_named(loggers: Any, message: str) -> None:
     with pytest.raises((TypeError, ValueError), match=message):
         make_trainer(RunLogCallback([]), loggers=loggers)
+
+
+@pytest.mark.usefixtures("no_dist_env")
+@pytest.mark.parametrize(
+    "loggers",
+    [
+        lambda save: [JsonLogger(), JsonLogger()],
+        lambda save: [JsonLogger(), JsonLogger(save / "log.jsonl")],
+        lambda save: [TensorBoardLogger(), TensorBoardLogger(save / "tensorboard")],
+    ],
+)
+def test_two_backends_writing_one_file_are_refused(tmp_path: Path, loggers: Any) -> None:
+    save = tmp_path / "save"
+    with pytest.raises(ValueError, match=r"^loggers holds a (\w+) and a \1 that both write .*"):
+        make_trainer(RunLogCallback([]), loggers=loggers(save), save_path=str(save))
+    assert not save.exists()
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda: JsonLogger(path="."), ValueError, r"JsonLogger\(path\)='.' is a directory"),
+        (lambda: JsonLogger(path=3), TypeError, r"JsonLogger\(path\) must be a file path"),
+        (lambda: TensorBoardLogger(flush_secs=0), ValueError, r"flush_secs\) must be a number"),
+    ],
+)
+def test_bad_backend_arguments_raise_when_built(make: Any, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        make()
