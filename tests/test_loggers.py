@@ -8,6 +8,7 @@ bad backend arguments refused when built."""
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import sys
 from collections.abc import Iterator
@@ -17,11 +18,12 @@ from typing import Any
 
 import pytest
 from inprocess import make_trainer
-from launch import Result, run_torchrun
+from launch import Result, free_port, run_torchrun
 
 from fastdist.callbacks import RunLogCallback
-from fastdist.loggers import JsonLogger, MLflowLogger, TensorBoardLogger
+from fastdist.loggers import JsonLogger, MLflowLogger, TensorBoardLogger, WandbLogger
 from fastdist.loggers.backend import scalars
+from fastdist.loggers.mlflow_runs import CONTINUES, FROM_STEP, SUPERSEDED_BY
 
 pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
@@ -54,24 +56,31 @@ class Run:
 
 def launch(out: Path, *args: str, check: bool = True) -> Run:
     result = run_torchrun(WORKER, 2, [str(out), *args], timeout=400, env=ENV, check=check)
-    log = out / "save" / "log.jsonl"
+    return read(out / "save", result)
+
+
+def read(save: Path, result: Result) -> Run:
+    log = save / "log.jsonl"
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    return Run(result, out / "save", records)
+    return Run(result, save, records)
 
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return launch(tmp_path_factory.mktemp("full"), "--failing")
+    """With failing backends and an unreachable MLflow server."""
+    out = tmp_path_factory.mktemp("full")
+    return launch(out, "--failing", "--unreachable", str(free_port()))
 
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """Killed and resumed, with backends whose state cannot be saved or restored."""
+    """Killed and resumed, with backends whose state cannot be saved or restored; then a
+    rollback in another save_path (``rollback``)."""
     out = tmp_path_factory.mktemp("resumed")
     killed = launch(out, "--kill-at", "13", "--bad-state", check=False)
     assert killed.result.returncode != 0, killed.result.describe()
     assert not (out / "result.json").exists()
-    run = launch(out, "--bad-state")
+    run = launch(out, "--bad-state", "--rollback")
     run.first = killed.result
     return run
 
@@ -204,6 +213,15 @@ def test_a_killed_and_resumed_run_continues_the_same_runs(resumed: Run) -> None:
 
 
 @pytest.mark.slow
+def test_an_unreachable_mlflow_server_costs_seconds_and_one_warning(full: Run) -> None:
+    failed = [line for line in full.result.output.splitlines() if "logger MLflowLogger" in line]
+    assert len(failed) == 1 and "http://127.0.0.1:" in failed[0], full.result.describe()
+    assert "unreachable" in failed[0]
+    result = json.loads((full.save.parent / "result.json").read_text())
+    assert result["steps"] == 15 and result["seconds"] < 60, result
+
+
+@pytest.mark.slow
 def test_a_backend_whose_state_fails_warns_once_and_the_resume_goes_on(resumed: Run) -> None:
     assert resumed.first is not None
     for output in (resumed.first.output, resumed.result.output):
@@ -212,6 +230,32 @@ def test_a_backend_whose_state_fails_warns_once_and_the_resume_goes_on(resumed: 
     assert len(loads) == 1 and "load_state_dict" in loads[0], resumed.result.output
     assert "starts afresh" in loads[0]
     assert [r["kind"] for r in resumed.records][-1] == "end"
+
+
+@pytest.mark.slow
+def test_a_rollback_continues_in_a_new_run_that_supersedes_the_old(resumed: Run) -> None:
+    """Trained to step 15, rolled back to step 10 on other data: the new MLflow run holds the
+    old one's steps up to 10 and the new steps after; the old one keeps the discarded ones."""
+    rolled = read(resumed.save.parent / "rollback", resumed.result)
+    assert [r["step"] for r in rolled.records if r["kind"] == "start"] == [0, 10]
+    assert rolled.expected()["loss"] != rolled.expected(last=True)["loss"], "other values"
+    client, runs = mlflow_runs(resumed.save / "mlflow.db", "rollback")
+    assert len(runs) == 2, [r.info.run_id for r in runs]
+    (old,) = [r for r in runs if SUPERSEDED_BY in r.data.tags]
+    (new,) = [r for r in runs if r is not old]
+    assert old.data.tags[SUPERSEDED_BY] == new.info.run_id
+    assert new.data.tags[CONTINUES] == old.info.run_id and new.data.tags[FROM_STEP] == "10"
+
+    def history(run: Any) -> dict[str, list[tuple[int, float]]]:
+        get = client.get_metric_history
+        return {k: [(m.step, m.value) for m in get(run.info.run_id, k)] for k in run.data.metrics}
+
+    assert_same(history(new), rolled, last=True)  # steps <= 10 copied, the new ones after
+    assert_same(history(old), rolled)  # the first training's, discarded branch included
+    first, second = sorted(rolled.save.glob("wandb/offline-run-*/run-*.wandb"))
+    assert first.name != second.name, "a new W&B run"
+    (record,) = [r.run for r in wandb_records(second) if r.HasField("run")]
+    assert record.branch_point.run == first.name[4:-6] and record.branch_point.value == 10
 
 
 # In-process: a one-process world without a process group.
@@ -260,6 +304,62 @@ def test_bad_loggers_are_named(loggers: Any, message: str) -> None:
         make_trainer(RunLogCallback([]), loggers=loggers)
 
 
+@pytest.fixture(scope="module")
+def store(full: Run) -> Path:
+    """An MLflow SQLite store: the launched run's (a new one's tables take seconds to make);
+    the tests below write to experiments of their own, or a copy."""
+    return full.save / "mlflow.db"
+
+
+def mlflow_runs(path: Path, experiment: str) -> tuple[Any, list[Any]]:
+    """A client of the store at ``path`` and the runs of ``experiment`` there."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{path}")
+    found = client.get_experiment_by_name(experiment)
+    return client, client.search_runs([found.experiment_id]) if found else []
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_dist_env")
+def test_a_logger_reused_by_another_trainer_starts_a_new_run(tmp_path: Path, store: Path) -> None:
+    """Only a checkpoint's run id is continued: a second trainer's fresh train() with the same
+    backend objects starts new runs."""
+    mlflow = MLflowLogger(tracking_uri=f"sqlite:///{store}", experiment="reused")
+    wandb = WandbLogger(mode="offline", dir=tmp_path)
+    ids = []
+    for _ in range(2):
+        make_trainer(RunLogCallback([mlflow, wandb]), n_epochs=1).train()
+        ids.append((mlflow.run_id, wandb.run_id))
+    _client, runs = mlflow_runs(store, "reused")
+    assert len(runs) == 2 and ids[0][0] != ids[1][0] and ids[0][1] != ids[1][1], ids
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_dist_env")
+def test_a_resume_without_the_old_store_starts_a_tagged_run(
+    tmp_path: Path, store: Path, log_lines: list[str]
+) -> None:
+    """Resumed into another save_path whose store lacks the checkpoint's run."""
+    other = tmp_path / "other.db"
+    shutil.copy(store, other)
+    first = MLflowLogger(tracking_uri=f"sqlite:///{store}", experiment="moved")
+    save = str(tmp_path / "a")
+    make_trainer(RunLogCallback([]), loggers=[first], save_path=save, n_epochs=1).train()
+    trainer = make_trainer(
+        RunLogCallback([]),
+        loggers=[MLflowLogger(tracking_uri=f"sqlite:///{other}", experiment="moved")],
+        save_path=str(tmp_path / "b"),
+        n_epochs=2,
+    )
+    assert trainer.train(resume=f"{save}/checkpoints/step-00000006.pt")["steps"] == 12
+    assert not [line for line in log_lines if "logger MLflowLogger failed" in line], log_lines
+    assert any("is not in the tracking store" in line for line in log_lines), log_lines
+    client, (run,) = mlflow_runs(other, "moved")
+    assert run.data.tags[CONTINUES] == first.run_id and run.data.tags[FROM_STEP] == "6"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [8, 10, 12]
+
+
 @pytest.mark.usefixtures("no_dist_env")
 @pytest.mark.parametrize(
     "loggers",
@@ -279,6 +379,9 @@ def test_two_backends_writing_one_file_are_refused(tmp_path: Path, loggers: Any)
 @pytest.mark.parametrize(
     ("make", "error", "message"),
     [
+        (lambda: WandbLogger(mode="ofline"), ValueError, r"WandbLogger\(mode\) must be one of"),
+        (lambda: MLflowLogger(experiment=""), ValueError, r"MLflowLogger\(experiment\) must"),
+        (lambda: MLflowLogger(tracking_uri=5), TypeError, r"MLflowLogger\(tracking_uri\) must"),
         (lambda: JsonLogger(path="."), ValueError, r"JsonLogger\(path\)='.' is a directory"),
         (lambda: JsonLogger(path=3), TypeError, r"JsonLogger\(path\) must be a file path"),
         (lambda: TensorBoardLogger(flush_secs=0), ValueError, r"flush_secs\) must be a number"),

@@ -25,10 +25,15 @@ class RunContext:
     Attributes:
         save_path: the trainer's ``save_path`` (file-based backends write under it by default).
         step: the optimizer update training starts from (> 0 on a resume).
+        rollback: the run resumed from a checkpoint older than the newest one (a rollback in
+            place, see :meth:`~fastdist.DistTrainer.train`): what a backend holds of the run
+            beyond ``step`` belongs to the discarded branch, unlike a plain resume, which
+            trains the steps after ``step`` again exactly as before.
     """
 
     save_path: str | None
     step: int
+    rollback: bool = False
 
     def under_save_path(self, name: str, fallback: str) -> str:
         """``save_path/name``, or ``fallback`` (relative to the current directory) without one."""

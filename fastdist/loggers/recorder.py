@@ -59,7 +59,7 @@ class RunLog:
         """Training begins: open the backends, write the ``"start"`` record."""
         self.close(failed=False)  # a second train() of the same trainer
         self.trainer, state = trainer, trainer.state
-        run = RunContext(trainer.options.save_path, state.global_step)
+        run = RunContext(trainer.options.save_path, state.global_step, state.rolled_back)
         self.active = [
             b for b in self.backends if self._guarded(b, "open", b.open, run) is not FAILED
         ]

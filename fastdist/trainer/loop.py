@@ -267,6 +267,7 @@ class Loop:
     def _begin(self, resumed: Resumed | None) -> None:
         """Continue from a restored checkpoint, count the updates left, log the plan."""
         state, options, world = self.state, self.options, self.world
+        state.rolled_back = resumed is not None and resumed.rollback
         global_batch = options.global_batch(world.data.size)
         mid_epoch = not state.epoch_complete and (state.samples_in_epoch or state.batches_in_epoch)
         if resumed is not None and mid_epoch:

@@ -95,12 +95,25 @@ def trainer(save: Path, loggers: list[Logger], data_seed: int = 0, kill_at: int 
     )
 
 
+def rollback(out: Path, store: Path) -> None:
+    """A fresh run, then a rollback to its step 10 on other data (same save_path); MLflow
+    writes to ``store`` (an existing one: a new one takes seconds to create)."""
+    for seed, resume in ((0, "auto"), (2, str(out / "checkpoints" / "step-00000010.pt"))):
+        loggers = [
+            MLflowLogger(tracking_uri=f"sqlite:///{store}", experiment="rollback"),
+            WandbLogger(project="rollback", mode="offline"),
+        ]
+        trainer(out, loggers, data_seed=seed).train(resume=resume)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--failing", action="store_true")
+    parser.add_argument("--unreachable", type=int, default=0)
     parser.add_argument("--bad-state", action="store_true")
+    parser.add_argument("--rollback", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
 
@@ -112,11 +125,16 @@ def main() -> None:
     ]
     if args.failing:
         loggers.append(DiskFull())
+    if args.unreachable:
+        uri = f"http://127.0.0.1:{args.unreachable}"
+        loggers.append(MLflowLogger(tracking_uri=uri, experiment="unreachable"))
     if args.bad_state:
         loggers += [BadSave(), BadLoad()]
     result = trainer(out / "save", loggers, kill_at=args.kill_at).train()
     if fastdist.is_master():
         (out / "result.json").write_text(json.dumps(result))
+    if args.rollback:
+        rollback(out / "rollback", out / "save" / "mlflow.db")
 
 
 if __name__ == "__main__":
