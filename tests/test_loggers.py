@@ -7,6 +7,7 @@ bad backend arguments refused when built."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import struct
@@ -19,8 +20,9 @@ from typing import Any
 import pytest
 from inprocess import make_trainer
 from launch import Result, free_port, run_torchrun
+from test_disk_full import tmpfs  # noqa: F401  (a fixture)
 
-from fastdist.callbacks import RunLogCallback
+from fastdist.callbacks import Callback, RunLogCallback
 from fastdist.loggers import JsonLogger, MLflowLogger, TensorBoardLogger, WandbLogger
 from fastdist.loggers.backend import scalars
 from fastdist.loggers.mlflow_runs import CONTINUES, FROM_STEP, SUPERSEDED_BY
@@ -390,3 +392,28 @@ def test_two_backends_writing_one_file_are_refused(tmp_path: Path, loggers: Any)
 def test_bad_backend_arguments_raise_when_built(make: Any, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         make()
+
+
+class FillDisk(Callback):
+    """Fill the disk holding ``path`` after update 2."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_step_end(self) -> None:
+        if self.trainer.state.global_step == 2:
+            with open(self.path, "wb") as filler, contextlib.suppress(OSError):
+                while True:
+                    filler.write(b"x" * 65536)
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_wandb_on_a_full_disk_warns_naming_the_directory(
+    request: pytest.FixtureRequest, log_lines: list[str]
+) -> None:
+    mount: Path = request.getfixturevalue("tmpfs")  # 1.5 MiB (tests/test_disk_full.py)
+    logger = WandbLogger(mode="offline", dir=mount)
+    callback = RunLogCallback([logger])
+    make_trainer(callback, callbacks_all=[FillDisk(mount / "filler")], n_epochs=2).train()
+    lost = [line for line in log_lines if "may have lost data" in line]
+    assert len(lost) == 1 and str(mount / "wandb") in lost[0], log_lines

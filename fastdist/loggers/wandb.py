@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 from fastdist.checks import check_choice, check_optional_str, check_path
 from fastdist.loggers.backend import Logger, RunContext, Scalar
+from fastdist.logging import logger
 
 MODES = ("online", "offline", "disabled")
 
@@ -25,6 +27,12 @@ class WandbLogger(Logger):
       ``fastdist/continues_from_step`` (S) in its config. The old run keeps the discarded
       branch; unlike MLflow's, it is not tagged (an offline run's files cannot be edited),
       and a plain resume from a checkpoint written before the rollback continues the old run.
+
+    wandb writes from a process of its own, whose write errors training never sees: at the
+    end, the backend warns (naming the directory) when the run's ``.wandb`` file is missing
+    or empty, or the disk holding it has less than 64 KiB free, which is when a full disk may
+    have cost data (wandb's ``finish`` itself reports nothing). A disk that filled and
+    emptied again meanwhile goes unnoticed.
 
     Args:
         project: the W&B project; default wandb's (``WANDB_PROJECT``...).
@@ -88,8 +96,9 @@ class WandbLogger(Logger):
 
     def close(self, failed: bool) -> None:
         if self.run is not None:
-            self.run.finish(exit_code=1 if failed else 0)
-            self.run = None
+            run, self.run = self.run, None
+            run.finish(exit_code=1 if failed else 0)
+            warn_if_lost(run)
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self.run_id is None else {"run_id": self.run_id}
@@ -99,3 +108,31 @@ class WandbLogger(Logger):
         if not isinstance(run_id, str):
             raise TypeError(f"the checkpoint's W&B run id is {run_id!r}, not a str")
         self.resume_id = run_id
+
+
+#: Free space below which the disk holding a run's files counts as full.
+FULL_BYTES = 2**16
+
+
+def warn_if_lost(run: Any) -> None:
+    """Warn, naming the directory, when a finished run's ``.wandb`` file is missing or empty,
+    or the disk holding it is (nearly) full: wandb's own process may have lost data."""
+    sync_file = getattr(run.settings, "sync_file", None)
+    if run.settings.mode == "disabled" or not sync_file:
+        return
+    directory = os.path.dirname(sync_file)
+    try:
+        size, free = os.path.getsize(sync_file), shutil.disk_usage(directory).free
+    except OSError as exc:
+        problem = f"its file {sync_file} cannot be read ({exc})"
+    else:
+        if size > 0 and free >= FULL_BYTES:
+            return
+        problem = f"its file {sync_file} is empty" if size == 0 else "its disk is full"
+    logger.warning(
+        "WandbLogger: the W&B run %s may have lost data: %s; check the directory %s (wandb "
+        "writes from a process of its own, whose errors training does not see)",
+        run.id,
+        problem,
+        directory,
+    )
