@@ -8,7 +8,9 @@ bad backend arguments refused when built."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import os
 import shutil
 import struct
 import sys
@@ -69,9 +71,16 @@ def read(save: Path, result: Result) -> Run:
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """With failing backends and an unreachable MLflow server."""
+    """With failing backends, an unreachable MLflow server, and then a run into a save_path
+    this process holds locked."""
     out = tmp_path_factory.mktemp("full")
-    return launch(out, "--failing", "--unreachable", str(free_port()))
+    (out / "locked").mkdir()
+    with open(out / "locked" / ".fastdist.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.write(f"pid {os.getpid()} on host test\n")
+        lock.flush()
+        unreachable = ["--unreachable", str(free_port()), "--locked", str(out / "locked")]
+        return launch(out, "--failing", *unreachable)
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +230,15 @@ def test_an_unreachable_mlflow_server_costs_seconds_and_one_warning(full: Run) -
     assert "unreachable" in failed[0]
     result = json.loads((full.save.parent / "result.json").read_text())
     assert result["steps"] == 15 and result["seconds"] < 60, result
+
+
+@pytest.mark.slow
+def test_a_second_run_in_a_held_save_path_fails_on_every_rank(full: Run) -> None:
+    errors = [(full.save.parent / f"locked-{rank}.txt").read_text() for rank in (0, 1)]
+    assert errors[0] == errors[1], errors
+    locked = str(full.save.parent / "locked")
+    assert f"save_path={locked!r} is in use by another run (pid {os.getpid()}" in errors[0]
+    assert errors[0].startswith("OSError") and "pass another save_path" in errors[0]
 
 
 @pytest.mark.slow

@@ -106,6 +106,16 @@ def rollback(out: Path, store: Path) -> None:
         trainer(out, loggers, data_seed=seed).train(resume=resume)
 
 
+def locked(out: Path, save: str) -> None:
+    """Train into ``save`` (held by the test): every rank writes the error it raised."""
+    try:
+        trainer(Path(save), []).train()
+        error = "no error"
+    except OSError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    (out / f"locked-{fastdist.get_rank()}.txt").write_text(error)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -113,6 +123,7 @@ def main() -> None:
     parser.add_argument("--failing", action="store_true")
     parser.add_argument("--unreachable", type=int, default=0)
     parser.add_argument("--bad-state", action="store_true")
+    parser.add_argument("--locked", default="")
     parser.add_argument("--rollback", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
@@ -133,6 +144,8 @@ def main() -> None:
     result = trainer(out / "save", loggers, kill_at=args.kill_at).train()
     if fastdist.is_master():
         (out / "result.json").write_text(json.dumps(result))
+    if args.locked:
+        locked(out, args.locked)
     if args.rollback:
         rollback(out / "rollback", out / "save" / "mlflow.db")
 
