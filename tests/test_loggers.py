@@ -25,7 +25,7 @@ from launch import Result, free_port, run_torchrun
 from test_disk_full import tmpfs  # noqa: F401  (a fixture)
 
 from fastdist.callbacks import Callback, RunLogCallback
-from fastdist.loggers import JsonLogger, MLflowLogger, TensorBoardLogger, WandbLogger
+from fastdist.loggers import JsonLogger, MLflowLogger, RunContext, TensorBoardLogger, WandbLogger
 from fastdist.loggers.backend import scalars
 from fastdist.loggers.mlflow_runs import CONTINUES, FROM_STEP, SUPERSEDED_BY
 
@@ -378,6 +378,28 @@ def test_a_resume_without_the_old_store_starts_a_tagged_run(
     client, (run,) = mlflow_runs(other, "moved")
     assert run.data.tags[CONTINUES] == first.run_id and run.data.tags[FROM_STEP] == "6"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [8, 10, 12]
+
+
+@pytest.mark.slow
+def test_a_plain_resume_of_a_superseded_run_continues_its_successor(store: Path) -> None:
+    """Rolled back to step 10 and killed before the next checkpoint: the checkpoint of step 10
+    names the old run, and a plain resume from it continues the new one (the old one holds the
+    discarded steps); a rollback to step 5 branches off the old run again."""
+    from mlflow.entities import Metric
+
+    client, _ = mlflow_runs(store, "chain")
+    experiment = client.create_experiment("chain")
+    old = client.create_run(experiment).info.run_id
+    client.log_batch(old, metrics=[Metric("loss", 1.0, 0, step) for step in (5, 10, 15)])
+    new = client.create_run(experiment, tags={CONTINUES: old, FROM_STEP: "10"}).info.run_id
+    client.set_tag(old, SUPERSEDED_BY, new)
+    logger = MLflowLogger(tracking_uri=f"sqlite:///{store}", experiment="chain")
+    for step, rollback in ((10, False), (5, True)):
+        logger.load_state_dict({"run_id": old})
+        logger.open(RunContext(None, step, rollback))
+        logger.close(failed=False)
+        assert (logger.run_id == new) is (step == 10), (step, logger.run_id, old, new)
+    assert client.get_run(logger.run_id).data.tags[FROM_STEP] == "5"
 
 
 @pytest.mark.usefixtures("no_dist_env")
