@@ -101,6 +101,33 @@ def check_path(name: str, value: object) -> str | None:
     return path
 
 
+def check_file_path(name: str, value: object) -> str | None:
+    """``value`` (the path of a file to write: ``str``, ``os.PathLike`` or ``None``) as a
+    ``str``; an existing directory is refused."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not isinstance(os.fspath(value), str):
+        raise TypeError(
+            f"{name} must be a file path (str or pathlib.Path) or None, got {describe(value)}"
+        )
+    path = os.fspath(value)
+    if not path or os.path.isdir(path):
+        raise ValueError(
+            f"{name}={path!r} is a directory: pass the path of a file to write, e.g. "
+            f"{name}={os.path.join(path or '.', 'log.jsonl')!r}"
+        )
+    return path
+
+
+def check_optional_str(name: str, value: object, example: str) -> str | None:
+    """``value`` (a non-empty ``str`` or ``None``); ``example``: a right value."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a str or None, got {describe(value)}: e.g. {example}")
+    if value == "":
+        raise ValueError(f"{name} must not be empty: pass a name, e.g. {example}, or None")
+    return value
+
+
 def check_writable_dir(name: str, path: str) -> None:
     """Raise ``ValueError`` naming ``name``, the path and the fix unless this process can write
     in the directory ``path``, or create it: its nearest existing ancestor must be a directory

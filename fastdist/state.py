@@ -48,6 +48,9 @@ class TrainerState:
         best_eval: the best evaluation result so far, with ``best_epoch`` and ``best_step``.
         stop_requested: set by :meth:`DistTrainer.request_stop`; agreed across ranks at the next
             sync point.
+        rolled_back: this run resumed from a checkpoint older than the newest one (a rollback
+            in place): the steps after ``global_step`` that were trained before belong to a
+            discarded branch (logging backends must not keep them as this run's).
         rank_times: every rank's mean time per update since the previous log step (or
             evaluation, checkpoint), one dict per rank: ``rank``, ``update_ms`` (data +
             compute), ``data_ms``, ``compute_ms``, ``collective_ms``; see
@@ -71,6 +74,7 @@ class TrainerState:
     best_epoch: int | None = None
     best_step: int | None = None
     stop_requested: bool = False
+    rolled_back: bool = False
     rank_times: list[dict[str, float]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -94,6 +98,7 @@ TRANSIENT = frozenset(
         "is_update",
         "is_filler",
         "stop_requested",
+        "rolled_back",
         "rank_times",
         "n_epochs",
         "total_steps",

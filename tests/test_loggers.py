@@ -1,11 +1,17 @@
 """Loggers as backends: real trainings (torchrun, 2 processes) written to MLflow (an SQLite
 store read back with MlflowClient), W&B (offline files parsed back), TensorBoard (its event
-reader) and fitlog, each compared with ``log.jsonl``; a killed and resumed run; failing
-backends (a full disk, a missing package) that warn once while training finishes."""
+reader) and fitlog, each compared with ``log.jsonl``; a killed and resumed run, and a rollback;
+failing backends (a full disk, a missing package, an unreachable server, a state that cannot be
+saved or restored) that warn once while training finishes; a save_path held by another run;
+bad backend arguments refused when built."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
+import shutil
 import struct
 import sys
 from collections.abc import Iterator
@@ -15,11 +21,13 @@ from typing import Any
 
 import pytest
 from inprocess import make_trainer
-from launch import Result, run_torchrun
+from launch import Result, free_port, run_torchrun
+from test_disk_full import tmpfs  # noqa: F401  (a fixture)
 
-from fastdist.callbacks import RunLogCallback
-from fastdist.loggers import JsonLogger, MLflowLogger
+from fastdist.callbacks import Callback, RunLogCallback
+from fastdist.loggers import JsonLogger, MLflowLogger, RunContext, TensorBoardLogger, WandbLogger
 from fastdist.loggers.backend import scalars
+from fastdist.loggers.mlflow_runs import CONTINUES, FROM_STEP, SUPERSEDED_BY
 
 pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
@@ -35,6 +43,7 @@ class Run:
     result: Result
     save: Path
     records: list[dict[str, Any]]
+    first: Result | None = None  # the killed launch a resume followed
 
     def expected(self, last: bool = False) -> dict[str, dict[int, float]]:
         """Every scalar of ``log.jsonl``: name -> {step: value}, the first value of a step
@@ -51,23 +60,40 @@ class Run:
 
 def launch(out: Path, *args: str, check: bool = True) -> Run:
     result = run_torchrun(WORKER, 2, [str(out), *args], timeout=400, env=ENV, check=check)
-    log = out / "save" / "log.jsonl"
+    return read(out / "save", result)
+
+
+def read(save: Path, result: Result) -> Run:
+    log = save / "log.jsonl"
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    return Run(result, out / "save", records)
+    return Run(result, save, records)
 
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return launch(tmp_path_factory.mktemp("full"), "--failing")
+    """With failing backends, an unreachable MLflow server, and then a run into a save_path
+    this process holds locked."""
+    out = tmp_path_factory.mktemp("full")
+    (out / "locked").mkdir()
+    with open(out / "locked" / ".fastdist.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.write(f"pid {os.getpid()} on host test\n")
+        lock.flush()
+        unreachable = ["--unreachable", str(free_port()), "--locked", str(out / "locked")]
+        return launch(out, "--failing", *unreachable)
 
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """Killed and resumed, with backends whose state cannot be saved or restored; then a
+    rollback in another save_path (``rollback``)."""
     out = tmp_path_factory.mktemp("resumed")
-    killed = launch(out, "--kill-at", "13", check=False)
+    killed = launch(out, "--kill-at", "13", "--bad-state", check=False)
     assert killed.result.returncode != 0, killed.result.describe()
     assert not (out / "result.json").exists()
-    return launch(out)
+    run = launch(out, "--bad-state", "--rollback")
+    run.first = killed.result
+    return run
 
 
 def mlflow_history(save: Path) -> tuple[list[Any], dict[str, list[tuple[int, float]]]]:
@@ -197,6 +223,61 @@ def test_a_killed_and_resumed_run_continues_the_same_runs(resumed: Run) -> None:
     assert min(step for s in wandb_history(run_files[1]).values() for step, _ in s) > 10
 
 
+@pytest.mark.slow
+def test_an_unreachable_mlflow_server_costs_seconds_and_one_warning(full: Run) -> None:
+    failed = [line for line in full.result.output.splitlines() if "logger MLflowLogger" in line]
+    assert len(failed) == 1 and "http://127.0.0.1:" in failed[0], full.result.describe()
+    assert "unreachable" in failed[0]
+    result = json.loads((full.save.parent / "result.json").read_text())
+    assert result["steps"] == 15 and result["seconds"] < 60, result
+
+
+@pytest.mark.slow
+def test_a_second_run_in_a_held_save_path_fails_on_every_rank(full: Run) -> None:
+    errors = [(full.save.parent / f"locked-{rank}.txt").read_text() for rank in (0, 1)]
+    assert errors[0] == errors[1], errors
+    locked = str(full.save.parent / "locked")
+    assert f"save_path={locked!r} is in use by another run (pid {os.getpid()}" in errors[0]
+    assert errors[0].startswith("OSError") and "pass another save_path" in errors[0]
+
+
+@pytest.mark.slow
+def test_a_backend_whose_state_fails_warns_once_and_the_resume_goes_on(resumed: Run) -> None:
+    assert resumed.first is not None
+    for output in (resumed.first.output, resumed.result.output):
+        assert output.count("logger BadSave failed (state_dict") == 1, output
+    loads = [line for line in resumed.result.output.splitlines() if "logger BadLoad" in line]
+    assert len(loads) == 1 and "load_state_dict" in loads[0], resumed.result.output
+    assert "starts afresh" in loads[0]
+    assert [r["kind"] for r in resumed.records][-1] == "end"
+
+
+@pytest.mark.slow
+def test_a_rollback_continues_in_a_new_run_that_supersedes_the_old(resumed: Run) -> None:
+    """Trained to step 15, rolled back to step 10 on other data: the new MLflow run holds the
+    old one's steps up to 10 and the new steps after; the old one keeps the discarded ones."""
+    rolled = read(resumed.save.parent / "rollback", resumed.result)
+    assert [r["step"] for r in rolled.records if r["kind"] == "start"] == [0, 10]
+    assert rolled.expected()["loss"] != rolled.expected(last=True)["loss"], "other values"
+    client, runs = mlflow_runs(resumed.save / "mlflow.db", "rollback")
+    assert len(runs) == 2, [r.info.run_id for r in runs]
+    (old,) = [r for r in runs if SUPERSEDED_BY in r.data.tags]
+    (new,) = [r for r in runs if r is not old]
+    assert old.data.tags[SUPERSEDED_BY] == new.info.run_id
+    assert new.data.tags[CONTINUES] == old.info.run_id and new.data.tags[FROM_STEP] == "10"
+
+    def history(run: Any) -> dict[str, list[tuple[int, float]]]:
+        get = client.get_metric_history
+        return {k: [(m.step, m.value) for m in get(run.info.run_id, k)] for k in run.data.metrics}
+
+    assert_same(history(new), rolled, last=True)  # steps <= 10 copied, the new ones after
+    assert_same(history(old), rolled)  # the first training's, discarded branch included
+    first, second = sorted(rolled.save.glob("wandb/offline-run-*/run-*.wandb"))
+    assert first.name != second.name, "a new W&B run"
+    (record,) = [r.run for r in wandb_records(second) if r.HasField("run")]
+    assert record.branch_point.run == first.name[4:-6] and record.branch_point.value == 10
+
+
 # In-process: a one-process world without a process group.
 
 
@@ -241,3 +322,138 @@ def test_a_full_disk_warns_once(tmp_path: Path, log_lines: list[str]) -> None:
 def test_bad_loggers_are_named(loggers: Any, message: str) -> None:
     with pytest.raises((TypeError, ValueError), match=message):
         make_trainer(RunLogCallback([]), loggers=loggers)
+
+
+@pytest.fixture(scope="module")
+def store(full: Run) -> Path:
+    """An MLflow SQLite store: the launched run's (a new one's tables take seconds to make);
+    the tests below write to experiments of their own, or a copy."""
+    return full.save / "mlflow.db"
+
+
+def mlflow_runs(path: Path, experiment: str) -> tuple[Any, list[Any]]:
+    """A client of the store at ``path`` and the runs of ``experiment`` there."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{path}")
+    found = client.get_experiment_by_name(experiment)
+    return client, client.search_runs([found.experiment_id]) if found else []
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_dist_env")
+def test_a_logger_reused_by_another_trainer_starts_a_new_run(tmp_path: Path, store: Path) -> None:
+    """Only a checkpoint's run id is continued: a second trainer's fresh train() with the same
+    backend objects starts new runs."""
+    mlflow = MLflowLogger(tracking_uri=f"sqlite:///{store}", experiment="reused")
+    wandb = WandbLogger(mode="offline", dir=tmp_path)
+    ids = []
+    for _ in range(2):
+        make_trainer(RunLogCallback([mlflow, wandb]), n_epochs=1).train()
+        ids.append((mlflow.run_id, wandb.run_id))
+    _client, runs = mlflow_runs(store, "reused")
+    assert len(runs) == 2 and ids[0][0] != ids[1][0] and ids[0][1] != ids[1][1], ids
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_dist_env")
+def test_a_resume_without_the_old_store_starts_a_tagged_run(
+    tmp_path: Path, store: Path, log_lines: list[str]
+) -> None:
+    """Resumed into another save_path whose store lacks the checkpoint's run."""
+    other = tmp_path / "other.db"
+    shutil.copy(store, other)
+    first = MLflowLogger(tracking_uri=f"sqlite:///{store}", experiment="moved")
+    save = str(tmp_path / "a")
+    make_trainer(RunLogCallback([]), loggers=[first], save_path=save, n_epochs=1).train()
+    trainer = make_trainer(
+        RunLogCallback([]),
+        loggers=[MLflowLogger(tracking_uri=f"sqlite:///{other}", experiment="moved")],
+        save_path=str(tmp_path / "b"),
+        n_epochs=2,
+    )
+    assert trainer.train(resume=f"{save}/checkpoints/step-00000006.pt")["steps"] == 12
+    assert not [line for line in log_lines if "logger MLflowLogger failed" in line], log_lines
+    assert any("is not in the tracking store" in line for line in log_lines), log_lines
+    client, (run,) = mlflow_runs(other, "moved")
+    assert run.data.tags[CONTINUES] == first.run_id and run.data.tags[FROM_STEP] == "6"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [8, 10, 12]
+
+
+@pytest.mark.slow
+def test_a_plain_resume_of_a_superseded_run_continues_its_successor(store: Path) -> None:
+    """Rolled back to step 10 and killed before the next checkpoint: the checkpoint of step 10
+    names the old run, and a plain resume from it continues the new one (the old one holds the
+    discarded steps); a rollback to step 5 branches off the old run again."""
+    from mlflow.entities import Metric
+
+    client, _ = mlflow_runs(store, "chain")
+    experiment = client.create_experiment("chain")
+    old = client.create_run(experiment).info.run_id
+    client.log_batch(old, metrics=[Metric("loss", 1.0, 0, step) for step in (5, 10, 15)])
+    new = client.create_run(experiment, tags={CONTINUES: old, FROM_STEP: "10"}).info.run_id
+    client.set_tag(old, SUPERSEDED_BY, new)
+    logger = MLflowLogger(tracking_uri=f"sqlite:///{store}", experiment="chain")
+    for step, rollback in ((10, False), (5, True)):
+        logger.load_state_dict({"run_id": old})
+        logger.open(RunContext(None, step, rollback))
+        logger.close(failed=False)
+        assert (logger.run_id == new) is (step == 10), (step, logger.run_id, old, new)
+    assert client.get_run(logger.run_id).data.tags[FROM_STEP] == "5"
+
+
+@pytest.mark.usefixtures("no_dist_env")
+@pytest.mark.parametrize(
+    "loggers",
+    [
+        lambda save: [JsonLogger(), JsonLogger()],
+        lambda save: [JsonLogger(), JsonLogger(save / "log.jsonl")],
+        lambda save: [TensorBoardLogger(), TensorBoardLogger(save / "tensorboard")],
+    ],
+)
+def test_two_backends_writing_one_file_are_refused(tmp_path: Path, loggers: Any) -> None:
+    save = tmp_path / "save"
+    with pytest.raises(ValueError, match=r"^loggers holds a (\w+) and a \1 that both write .*"):
+        make_trainer(RunLogCallback([]), loggers=loggers(save), save_path=str(save))
+    assert not save.exists()
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda: WandbLogger(mode="ofline"), ValueError, r"WandbLogger\(mode\) must be one of"),
+        (lambda: MLflowLogger(experiment=""), ValueError, r"MLflowLogger\(experiment\) must"),
+        (lambda: MLflowLogger(tracking_uri=5), TypeError, r"MLflowLogger\(tracking_uri\) must"),
+        (lambda: JsonLogger(path="."), ValueError, r"JsonLogger\(path\)='.' is a directory"),
+        (lambda: JsonLogger(path=3), TypeError, r"JsonLogger\(path\) must be a file path"),
+        (lambda: TensorBoardLogger(flush_secs=0), ValueError, r"flush_secs\) must be a number"),
+    ],
+)
+def test_bad_backend_arguments_raise_when_built(make: Any, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        make()
+
+
+class FillDisk(Callback):
+    """Fill the disk holding ``path`` after update 2."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_step_end(self) -> None:
+        if self.trainer.state.global_step == 2:
+            with open(self.path, "wb") as filler, contextlib.suppress(OSError):
+                while True:
+                    filler.write(b"x" * 65536)
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_wandb_on_a_full_disk_warns_naming_the_directory(
+    request: pytest.FixtureRequest, log_lines: list[str]
+) -> None:
+    mount: Path = request.getfixturevalue("tmpfs")  # 1.5 MiB (tests/test_disk_full.py)
+    logger = WandbLogger(mode="offline", dir=mount)
+    callback = RunLogCallback([logger])
+    make_trainer(callback, callbacks_all=[FillDisk(mount / "filler")], n_epochs=2).train()
+    lost = [line for line in log_lines if "may have lost data" in line]
+    assert len(lost) == 1 and str(mount / "wandb") in lost[0], log_lines

@@ -51,7 +51,8 @@ class RunLogCallback(Callback):
         self.log.fail(exception)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.log.state_dict()
+        trainer = getattr(self, "trainer", None)  # rank 0's is saved; the others have none
+        return self.log.state_dict() if trainer is None or trainer.rank == 0 else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.log.load_state_dict(state)

@@ -76,6 +76,7 @@ class Resumed:
 
     path: str
     world_size: int
+    rollback: bool = False  # newer checkpoints of the directory were set aside
 
 
 class Checkpointer:
@@ -196,7 +197,7 @@ class Checkpointer:
         found = choose(resume, self.dir, self.group, fetch)
         if found is None:
             return None
-        saved, path = found
+        saved, path, rollback = found
         checkpoint = upgrade(saved)
         for part in self.parts.values():
             self._check_saved(checkpoint, part, path)
@@ -213,7 +214,7 @@ class Checkpointer:
             load_shards(sharded, path, self.group)
             for part in self._scoped(SHARDED):
                 part.obj.load_state_dict(sharded[part.name])
-        return Resumed(path, checkpoint["world_size"])
+        return Resumed(path, checkpoint["world_size"], rollback)
 
     def _check_saved(self, checkpoint: dict[str, Any], part: Part, path: str) -> None:
         """Raise (alike on every rank, before any collective) if ``part`` is not in the

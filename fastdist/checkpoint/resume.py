@@ -40,6 +40,7 @@ class Plan:
 
     candidates: list[Candidate]
     explicit: bool = False  # resume=<path>: a failed check is an error, not a fallback
+    rollback: bool = False  # newer checkpoints of the directory were set aside
     error: tuple[str, str] | None = None  # (exception type, message)
 
 
@@ -52,10 +53,11 @@ def choose(
     directory: CheckpointDir | None,
     group: Any,
     fetch: Fetch | None = None,
-) -> tuple[dict[str, Any], str] | None:
+) -> tuple[dict[str, Any], str, bool] | None:
     """The checkpoint ``train(resume=...)`` continues from, loaded (its rest; the shards stay
-    on disk), and its path; ``None`` to start afresh. A collective of every rank. With
-    ``"auto"``, rank 0 first calls ``fetch`` (if any) on the directory."""
+    on disk), its path and whether it is a rollback (newer checkpoints of the directory were
+    set aside); ``None`` to start afresh. A collective of every rank. With ``"auto"``, rank 0
+    first calls ``fetch`` (if any) on the directory."""
     rank, world_size = get_rank(), get_world_size()
     plan = _plan_or_error(resume, directory, fetch) if rank == 0 else None
     plan = broadcast_object(plan, group=group)
@@ -67,7 +69,7 @@ def choose(
         problem = next((p for p in all_gather_object(problem, group) if p is not None), None)
         if problem is None:
             assert checkpoint is not None
-            return checkpoint, candidate.path
+            return checkpoint, candidate.path, plan.rollback
         if plan.explicit:
             raise ValueError(_cannot_resume(candidate.path, problem))
         if rank == 0:
@@ -148,19 +150,18 @@ def _plan(
             f"resume={path!r}: no such checkpoint file or directory; pass an existing one, or "
             "resume='auto' (the newest valid one in the checkpoint directory)"
         )
-    if directory is not None:
-        _check_may_start(directory, path)
-    return Plan([]) if path is None else Plan([listed(path)], explicit=True)
+    rollback = directory is not None and _check_may_start(directory, path)
+    return Plan([]) if path is None else Plan([listed(path)], explicit=True, rollback=rollback)
 
 
-def _check_may_start(directory: CheckpointDir, path: str | None) -> None:
+def _check_may_start(directory: CheckpointDir, path: str | None) -> bool:
     """Refuse a run that would prune or overwrite checkpoints it does not continue: a fresh
     start (``path`` ``None``) or one from elsewhere where the directory holds checkpoints. One
     from a checkpoint of the directory older than others there first verifies it (checksums),
-    then sets those aside."""
+    then sets those aside: a rollback (``True``)."""
     held = directory.held()
     if not held:
-        return
+        return False
     if path is None:
         _refuse(directory, "checkpoints", held, "a fresh start (resume=False)")
     name = os.path.basename(os.path.abspath(path))
@@ -183,6 +184,7 @@ def _check_may_start(directory: CheckpointDir, path: str | None) -> None:
         )
         held = directory.held()
     directory.adopt(held)  # it continues the newest: the directory's checkpoints are its own
+    return bool(newer)
 
 
 def _cannot_resume(path: str, problem: str) -> str:

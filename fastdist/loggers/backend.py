@@ -4,7 +4,7 @@ hands it, under the names and steps of ``log.jsonl``."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +25,15 @@ class RunContext:
     Attributes:
         save_path: the trainer's ``save_path`` (file-based backends write under it by default).
         step: the optimizer update training starts from (> 0 on a resume).
+        rollback: the run resumed from a checkpoint older than the newest one (a rollback in
+            place, see :meth:`~fastdist.DistTrainer.train`): what a backend holds of the run
+            beyond ``step`` belongs to the discarded branch, unlike a plain resume, which
+            trains the steps after ``step`` again exactly as before.
     """
 
     save_path: str | None
     step: int
+    rollback: bool = False
 
     def under_save_path(self, name: str, fallback: str) -> str:
         """``save_path/name``, or ``fallback`` (relative to the current directory) without one."""
@@ -41,8 +46,15 @@ class Logger:
 
     It runs on rank 0 only, from ``callbacks_master``: it must not call collectives. An
     exception it raises is reported once as a warning, after which it writes nothing more;
-    training goes on.
+    training goes on (one raised by :meth:`load_state_dict` starts it afresh instead). A
+    constructor checks its arguments at once, alike on every rank, and raises
+    ``TypeError``/``ValueError`` naming the argument and the fix.
     """
+
+    def destination(self, run: RunContext) -> str | None:
+        """The file or directory this backend writes that no other backend of the run may
+        share (an absolute path; ``run.step`` is 0), or ``None``."""
+        return None
 
     def open(self, run: RunContext) -> None:
         """Start writing (training begins; after :meth:`load_state_dict` on a resume)."""
@@ -68,7 +80,8 @@ class Logger:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s result, before :meth:`open` of a resumed run."""
+        """Restore :meth:`state_dict`'s result, before :meth:`open` of a resumed run (only
+        then: a backend opened without it starts a new run)."""
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
@@ -109,9 +122,24 @@ def options(record: Mapping[str, Any]) -> dict[str, Scalar]:
     }
 
 
-def check_loggers(value: object) -> list[Logger]:
-    """``DistTrainer(loggers=...)``: a list of :class:`Logger` backends, each object once."""
+def check_loggers(
+    value: object, save_path: str | None, others: Sequence[Logger] = ()
+) -> list[Logger]:
+    """``DistTrainer(loggers=...)``: a list of :class:`Logger` backends, each object once, no
+    two writing the same file or directory (``others``: backends the callbacks hold)."""
     loggers = check_list("loggers", value, Logger, "fastdist.loggers backends", "JsonLogger()")
     if len({id(b) for b in loggers}) < len(loggers):
         raise ValueError("loggers holds the same backend object twice: pass each backend once")
+    run, writers = RunContext(save_path, 0), dict[str, Logger]()
+    for backend in [*loggers, *others]:
+        where = backend.destination(run)
+        if where is None:
+            continue
+        first = writers.setdefault(where, backend)
+        if first is not backend:
+            raise ValueError(
+                f"loggers holds a {type(first).__name__} and a {type(backend).__name__} that "
+                f"both write {where!r} (every record would be written twice, interleaved): "
+                "keep one of them, or give each its own path"
+            )
     return loggers

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from fastdist.checks import check_path
 from fastdist.loggers.backend import Logger, RunContext, Scalar, scalars
 
 
@@ -22,13 +23,16 @@ class FitlogLogger(Logger):
     """
 
     def __init__(self, log_dir: str | os.PathLike[str] | None = None) -> None:
-        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.log_dir = check_path("FitlogLogger(log_dir)", log_dir)
         self.fitlog: Any = None
+
+    def destination(self, run: RunContext) -> str:
+        return os.path.abspath(self.log_dir or run.under_save_path("fitlog", "logs"))
 
     def open(self, run: RunContext) -> None:
         import fitlog  # optional dependency, imported only when used
 
-        log_dir = self.log_dir or run.under_save_path("fitlog", "logs")
+        log_dir = self.destination(run)
         os.makedirs(log_dir, exist_ok=True)
         fitlog.set_log_dir(log_dir, new_log=True)
         self.fitlog = fitlog

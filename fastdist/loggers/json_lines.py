@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import IO, Any
 
+from fastdist.checks import check_file_path
 from fastdist.loggers.backend import Logger, RunContext
 
 DEFAULT_FILE_NAME = "log.jsonl"
@@ -39,15 +40,20 @@ class JsonLogger(Logger):
 
     Args:
         path: the file to append to; default ``log.jsonl`` in the trainer's ``save_path``,
-            else in the current directory. Missing directories are created.
+            else in the current directory. Missing directories are created. Two backends
+            of one trainer may not write the same file (refused when it is built).
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
-        self.path: str | None = None if path is None else os.fspath(path)
+        self.path: str | None = check_file_path("JsonLogger(path)", path)
         self.file: IO[str] | None = None
 
-    def open(self, run: RunContext) -> None:
+    def destination(self, run: RunContext) -> str:
         path = self.path or run.under_save_path(DEFAULT_FILE_NAME, DEFAULT_FILE_NAME)
+        return os.path.abspath(path)
+
+    def open(self, run: RunContext) -> None:
+        path = self.destination(run)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
+from fastdist.checks import check_optional_str
 from fastdist.loggers.backend import Logger, RunContext, Scalar
+from fastdist.loggers.mlflow_runs import (
+    CONTINUES,
+    FROM_STEP,
+    SUPERSEDED_BY,
+    check_reachable,
+    copy_history,
+    find_run,
+    last_step,
+    now_ms,
+    successor,
+)
+from fastdist.logging import logger
 
 #: MLflow's limit on a parameter value's length.
 MAX_PARAM_CHARS = 6000
@@ -16,9 +28,29 @@ class MLflowLogger(Logger):
     """Log the options as the run's parameters and the scalars of ``log.jsonl`` as its
     metrics, at the same steps.
 
-    mlflow is imported when training starts (``pip install fastdist[mlflow]``). A resumed
-    run continues the same MLflow run (its id is kept in the checkpoint) and skips the steps
-    that run already holds, so no step is written twice.
+    mlflow is imported when training starts (``pip install fastdist[mlflow]``). Each
+    ``train()`` starts a new MLflow run, except a resume, which follows these rules (the run
+    id is kept in the checkpoint; a run is continued only when it comes from there):
+
+    * a plain resume (``"auto"`` after a crash, or from the newest checkpoint) continues the
+      same run and skips the steps it already holds: they are trained again exactly as
+      before, so no step is written twice;
+    * a rollback (a resume from a checkpoint older than the newest one; the newer ones are
+      set aside) continues in a *new* run, tagged ``fastdist.continues`` (the old run's id)
+      and ``fastdist.continues_from_step`` (the resumed step S), which holds the old run's
+      metrics up to S and the new ones after; the old run is tagged
+      ``fastdist.superseded_by`` (the new id) and keeps the discarded branch, so no run
+      presents the discarded values as the training's. A later plain resume from a
+      checkpoint at S or after continues the new run;
+    * a checkpoint whose run the store does not hold (a resume into another ``save_path``
+      without its ``mlflow.db``) starts a new run, tagged as above, with a warning.
+
+    A tracking server (``http(s)://``) must accept a connection within 3 s when training
+    starts, else the backend is dropped with one warning. MLflow's HTTP retries and timeouts
+    are bounded (``MLFLOW_HTTP_REQUEST_MAX_RETRIES=2``, ``..._TIMEOUT=5``,
+    ``..._BACKOFF_FACTOR=1``, unless the environment sets them), so a server that goes away
+    mid-run costs rank 0 about 20 s once, after which the backend is dropped with one
+    warning; the other ranks never wait on it beyond that.
 
     Args:
         tracking_uri: where runs are kept, e.g. ``"sqlite:///runs/mlflow.db"`` or a server's
@@ -33,12 +65,17 @@ class MLflowLogger(Logger):
         experiment: str = "fastdist",
         run_name: str | None = None,
     ) -> None:
-        self.tracking_uri = tracking_uri
-        self.experiment = experiment
-        self.run_name = run_name
-        self.run_id: str | None = None
+        example = "'sqlite:///runs/mlflow.db'"
+        self.tracking_uri = check_optional_str("MLflowLogger(tracking_uri)", tracking_uri, example)
+        if experiment is None:
+            raise TypeError("MLflowLogger(experiment) must be a name (str), e.g. 'fastdist'")
+        self.experiment = check_optional_str("MLflowLogger(experiment)", experiment, "'fastdist'")
+        self.run_name = check_optional_str("MLflowLogger(run_name)", run_name, "'baseline'")
+        self.run_id: str | None = None  # the run being written (kept in checkpoints)
+        self.resume_id: str | None = None  # from a checkpoint: the run the next open continues
         self.client: Any = None
         self.logged_through = -1  # the last step the run already holds (a resume)
+        self.holds_options = False
 
     def open(self, run: RunContext) -> None:
         try:  # optional dependency, imported only when used
@@ -50,21 +87,42 @@ class MLflowLogger(Logger):
         if uri is None and run.save_path:
             os.makedirs(run.save_path, exist_ok=True)
             uri = f"sqlite:///{os.path.abspath(os.path.join(run.save_path, 'mlflow.db'))}"
+        check_reachable(uri)
         self.client = client = MlflowClient(tracking_uri=uri)
-        if self.run_id is not None:  # a resume: continue the checkpoint's run
+        resumed, self.resume_id = self.resume_id, None
+        self.run_id, self.logged_through, self.holds_options = None, -1, False
+        old = None if resumed is None else find_run(client, resumed)
+        if resumed is not None and old is None:
+            logger.warning(
+                "MLflowLogger: the checkpoint's run %s is not in the tracking store %s: a new "
+                "run continues it from step %d (tagged %s=%s)",
+                resumed,
+                uri,
+                run.step,
+                CONTINUES,
+                resumed,
+            )
+        if old is not None and not run.rollback:  # continue it, skipping the steps it holds
+            old = successor(client, old, run.step)
+            self.run_id = old.info.run_id
             client.update_run(self.run_id, status="RUNNING")
-            held = client.get_run(self.run_id).data.metrics
-            steps = (m.step for key in held for m in client.get_metric_history(self.run_id, key))
-            self.logged_through = max(steps, default=-1)
+            self.logged_through, self.holds_options = last_step(client, old), True
             return
+        tags = {} if resumed is None else {CONTINUES: resumed, FROM_STEP: str(run.step)}
+        self.run_id = self._create(client, tags)
+        if old is not None:  # a rollback: the old run's history up to the resumed step
+            copy_history(client, old, self.run_id, run.step)
+            client.set_tag(old.info.run_id, SUPERSEDED_BY, self.run_id)
+            self.logged_through = run.step
+
+    def _create(self, client: Any, tags: dict[str, str]) -> str:
         found = client.get_experiment_by_name(self.experiment)
         experiment_id = found.experiment_id if found else client.create_experiment(self.experiment)
-        self.run_id = client.create_run(experiment_id, run_name=self.run_name).info.run_id
-        self.logged_through = -1
+        return str(client.create_run(experiment_id, run_name=self.run_name, tags=tags).info.run_id)
 
     def log_options(self, options: dict[str, Scalar]) -> None:
-        if self.logged_through >= 0:
-            return  # a resumed run holds them already
+        if self.holds_options:
+            return  # a continued run holds them already
         from mlflow.entities import Param
 
         params = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in options.items()]
@@ -72,10 +130,10 @@ class MLflowLogger(Logger):
 
     def log_scalars(self, values: dict[str, float], step: int) -> None:
         if step <= self.logged_through:
-            return  # written before the resumed run was stopped
+            return  # written before the resumed run was stopped (or copied: a rollback)
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
+        now = now_ms()
         metrics = [Metric(name, value, now, step) for name, value in values.items()]
         self.client.log_batch(self.run_id, metrics=metrics)
 
@@ -88,4 +146,7 @@ class MLflowLogger(Logger):
         return {} if self.run_id is None else {"run_id": self.run_id}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.run_id = state["run_id"]
+        run_id = state["run_id"]
+        if not isinstance(run_id, str):
+            raise TypeError(f"the checkpoint's MLflow run id is {run_id!r}, not a str")
+        self.resume_id = run_id

@@ -14,6 +14,9 @@ from fastdist.loggers.backend import Logger, RunContext
 from fastdist.logging import logger
 from fastdist.state import OptionsView, TrainerState
 
+#: What :meth:`RunLog._guarded` returns for a call that raised.
+FAILED = object()
+
 
 class LoggedTrainer(Protocol):
     """What :class:`RunLog` reads of the trainer."""
@@ -35,7 +38,8 @@ class RunLog:
     (the run's options, once), ``"train"`` every ``print_every`` updates (loss, learning rate,
     throughput, memory, per-rank timings), ``"eval"`` after every evaluation, and ``"end"`` or
     ``"exception"``. A backend that raises is named in one warning and dropped for the rest
-    of the run; training goes on.
+    of the run (one whose ``state_dict`` raises is left out of later checkpoints; one whose
+    ``load_state_dict`` raises starts afresh); training, its checkpoints and a resume go on.
 
     Args:
         backends: the :class:`~fastdist.loggers.Logger` objects to write to.
@@ -44,6 +48,7 @@ class RunLog:
     def __init__(self, backends: Sequence[Logger]) -> None:
         self.backends = list(backends)
         self.active: list[Logger] = []  # opened and not failed
+        self.unsaved: list[Logger] = []  # their state_dict raised: left out of checkpoints
         self.trainer: LoggedTrainer | None = None
         self._start = self._last_time = 0.0
         self._last_step = 0
@@ -54,8 +59,10 @@ class RunLog:
         """Training begins: open the backends, write the ``"start"`` record."""
         self.close(failed=False)  # a second train() of the same trainer
         self.trainer, state = trainer, trainer.state
-        run = RunContext(trainer.options.save_path, state.global_step)
-        self.active = [b for b in self.backends if self._guarded(b, "open", b.open, run)]
+        run = RunContext(trainer.options.save_path, state.global_step, state.rolled_back)
+        self.active = [
+            b for b in self.backends if self._guarded(b, "open", b.open, run) is not FAILED
+        ]
         self._start = self._last_time = time.monotonic()
         self._last_step, self._eval_seconds, self._valid_start = state.global_step, 0.0, None
         self._emit(
@@ -129,13 +136,22 @@ class RunLog:
 
     def state_dict(self) -> dict[str, Any]:
         """Each backend's state (e.g. its run id), by position and class."""
-        return {key: s for key, b in self._keyed() if (s := b.state_dict())}
+        states = {}
+        for key, backend in self._keyed():
+            if backend in self.unsaved:
+                continue
+            state = self._guarded(backend, "state_dict", backend.state_dict)
+            if state is FAILED:
+                self.unsaved.append(backend)
+            elif state:
+                states[key] = state
+        return states
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Give each backend its saved state, before :meth:`begin` of a resume."""
         for key, backend in self._keyed():
             if key in state:
-                backend.load_state_dict(state[key])
+                self._guarded(backend, "load_state_dict", backend.load_state_dict, state[key])
 
     def _keyed(self) -> list[tuple[str, Logger]]:
         return [(f"{i}:{type(b).__name__}", b) for i, b in enumerate(self.backends)]
@@ -154,24 +170,25 @@ class RunLog:
         for backend in list(self.active):
             self._guarded(backend, kind, backend.write, record)
 
-    def _guarded(self, backend: Logger, what: str, call: Any, *args: Any) -> bool:
-        """Run ``call``; if it raises, warn once and drop ``backend``; say whether it ran."""
+    def _guarded(self, backend: Logger, what: str, call: Any, *args: Any) -> Any:
+        """``call(*args)``; if it raises, warn once, drop ``backend`` and return ``FAILED``."""
         try:
-            call(*args)
-            return True
+            return call(*args)
         except Exception as exc:
             logger.warning(
-                "logger %s failed (%s, at %s: %s: %s); it writes nothing more in this run, "
-                "training goes on",
+                "logger %s failed (%s, at %s: %s: %s); %s, training goes on",
                 type(backend).__name__,
                 what,
                 "the start" if self.trainer is None else f"step {self.trainer.state.global_step}",
                 type(exc).__name__,
                 exc,
+                "it starts afresh (a new run)"
+                if what == "load_state_dict"
+                else "it writes nothing more in this run",
             )
             if backend in self.active:
                 self.active.remove(backend)
-            return False
+            return FAILED
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from fastdist.checks import check_number, check_path, describe
 from fastdist.loggers.backend import Logger, RunContext, Scalar
 
 MISSING_TENSORBOARD = (
@@ -24,7 +25,8 @@ class TensorBoardLogger(Logger):
 
     Args:
         log_dir: directory of the event files; default ``<save_path>/tensorboard``, else
-            ``runs``. View them with ``tensorboard --logdir LOG_DIR``.
+            ``runs``. View them with ``tensorboard --logdir LOG_DIR``. Two backends of one
+            trainer may not write the same directory (refused when it is built).
         hparams: more options to record (e.g. the script's arguments).
         flush_secs: how often the writer flushes on its own, in seconds.
     """
@@ -35,18 +37,26 @@ class TensorBoardLogger(Logger):
         hparams: Mapping[str, Any] | None = None,
         flush_secs: int = 30,
     ) -> None:
-        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.log_dir = check_path("TensorBoardLogger(log_dir)", log_dir)
+        if hparams is not None and not isinstance(hparams, Mapping):
+            raise TypeError(
+                f"TensorBoardLogger(hparams) must be a dict or None, got {describe(hparams)}"
+            )
+        check_number("TensorBoardLogger(flush_secs)", flush_secs, 0, inclusive=False)
         self.extra_hparams = dict(hparams or {})
         self.flush_secs = flush_secs
         self.writer: Any = None
         self.step = 0  # where training starts
+
+    def destination(self, run: RunContext) -> str:
+        return os.path.abspath(self.log_dir or run.under_save_path("tensorboard", "runs"))
 
     def open(self, run: RunContext) -> None:
         try:  # optional dependency, imported only when used
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
             raise ImportError(f"{MISSING_TENSORBOARD} ({exc})") from exc
-        log_dir = self.log_dir or run.under_save_path("tensorboard", "runs")
+        log_dir = self.destination(run)
         os.makedirs(log_dir, exist_ok=True)
         self.writer = SummaryWriter(
             log_dir=log_dir,

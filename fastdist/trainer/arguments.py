@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from fastdist.callbacks.callback import Callback, state_keys
+from fastdist.callbacks.run_log import RunLogCallback
 from fastdist.checkpoint.export import check_format
 from fastdist.checks import check_instance, check_list, check_writable_dir, describe
 from fastdist.data import ShardedStream, TokenBatchSampler
@@ -135,7 +136,7 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
         larger_better=larger_better,
         callbacks_all=callbacks[0],
         callbacks_master=callbacks[1],
-        loggers=check_loggers(given["loggers"]),
+        loggers=check_loggers(given["loggers"], options.save_path, _backends(callbacks)),
         sampler=sampler,
         batch_sampler=batch_sampler,
         collate_fn=collate_fn,
@@ -255,6 +256,16 @@ def check_metrics(metrics: Any, has_dev_data: bool, metric_key: str | None) -> l
             f"metrics (e.g. {example}) with dev_data=, or leave metric_key out"
         )
     return checked
+
+
+def _backends(callbacks: tuple[list[Any], list[Any]]) -> list[Logger]:
+    """The logging backends the callbacks hold (``JSONLogCallback``'s file...)."""
+    return [
+        b
+        for cb in callbacks[0] + callbacks[1]
+        if isinstance(cb, RunLogCallback)
+        for b in cb.log.backends
+    ]
 
 
 def check_callbacks(callbacks_all: Any, callbacks_master: Any) -> tuple[list[Any], list[Any]]:

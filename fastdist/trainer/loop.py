@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 
 from fastdist.callbacks.callback import TrainerView
 from fastdist.checkpoint import Resumed
+from fastdist.checkpoint.lock import hold_save_path
 from fastdist.distributed import broadcast_object
 from fastdist.logging import logger
 from fastdist.trainer.build import Run
@@ -217,7 +218,12 @@ class Loop:
         return agreed
 
     def fit(self, resume: bool | str | os.PathLike) -> dict[str, Any]:
-        """What ``DistTrainer.train`` does: resume, train, end; the result on every rank."""
+        """What ``DistTrainer.train`` does: resume, train, end; the result on every rank. Rank 0
+        holds ``save_path``'s lock meanwhile (:mod:`fastdist.checkpoint.lock`)."""
+        with hold_save_path(self.options.save_path, self.world.group):
+            return self._fit(resume)
+
+    def _fit(self, resume: bool | str | os.PathLike) -> dict[str, Any]:
         start, state, options = time.time(), self.state, self.options
         arrived_training = self.model.training
         if not arrived_training:
@@ -267,6 +273,7 @@ class Loop:
     def _begin(self, resumed: Resumed | None) -> None:
         """Continue from a restored checkpoint, count the updates left, log the plan."""
         state, options, world = self.state, self.options, self.world
+        state.rolled_back = resumed is not None and resumed.rollback
         global_batch = options.global_batch(world.data.size)
         mid_epoch = not state.epoch_complete and (state.samples_in_epoch or state.batches_in_epoch)
         if resumed is not None and mid_epoch:

@@ -2,14 +2,23 @@
 
 Usage (under torchrun or as a plain process)::
 
-    loggers_worker.py OUT_DIR [--kill-at STEP] [--failing]
+    loggers_worker.py OUT_DIR [--kill-at STEP] [--failing] [--unreachable PORT] [--bad-state]
+        [--locked DIR] [--rollback]
 
 Trains a Linear classifier on random data (80 samples, 3 epochs, loss logged every 2
 updates, checkpoints every 5) with ``save_path=OUT_DIR/save`` and the backends JsonLogger
 (the default), TensorBoardLogger, MLflowLogger (its default SQLite store in save_path),
 WandbLogger (offline) and FitlogLogger. ``--failing`` adds a backend whose writes raise
-``OSError`` (a full disk); ``--kill-at STEP`` makes every rank SIGKILL itself after update
-STEP. Rank 0 writes the trainer's result to ``OUT_DIR/result.json``.
+``OSError`` (a full disk); ``--unreachable PORT`` an MLflowLogger whose tracking server
+(127.0.0.1:PORT) does not answer; ``--bad-state`` backends whose ``state_dict`` (``BadSave``)
+or ``load_state_dict`` (``BadLoad``) raise; ``--kill-at STEP`` makes every rank SIGKILL itself
+after update STEP. Rank 0 writes the trainer's result to ``OUT_DIR/result.json``.
+
+Then, in the same processes: ``--locked DIR`` trains into the save_path DIR (which the test
+holds locked) and writes every rank's error to ``OUT_DIR/locked-<rank>.txt``; ``--rollback``
+trains a fresh run into ``OUT_DIR/rollback`` (MLflow in the save_path's store, W&B offline,
+JSON; checkpoints at steps 10 and 15 kept), then rolls back to its step 10 on other data
+(so the steps after 10 differ).
 """
 
 from __future__ import annotations
@@ -37,6 +46,23 @@ class DiskFull(Logger):
         raise OSError(errno.ENOSPC, "No space left on device")
 
 
+class BadSave(Logger):
+    """A backend whose state cannot be saved."""
+
+    def state_dict(self) -> dict[str, int]:
+        raise RuntimeError("state_dict broke")
+
+
+class BadLoad(Logger):
+    """A backend whose saved state cannot be restored."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"x": 1}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        raise RuntimeError("load_state_dict broke")
+
+
 class KillAt(Callback):
     """SIGKILL this process after update ``step`` (on every rank: a hard crash of the job)."""
 
@@ -48,41 +74,80 @@ class KillAt(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def trainer(save: Path, loggers: list[Logger], data_seed: int = 0, kill_at: int = 0) -> DistTrainer:
+    fastdist.set_seed(0)
+    model = Linear()
+    return DistTrainer(
+        train_data=dataset(80, data_seed),
+        dev_data=dataset(30, 1),
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loss=CrossEntropyLoss(pred="pred", target="target"),
+        metrics=AccuracyMetric(pred="pred", target="target"),
+        callbacks_all=[KillAt(kill_at)] if kill_at else [],
+        loggers=loggers,
+        batch_size_per_gpu=8,
+        n_epochs=3,
+        print_every=2,
+        checkpoint_every=5,
+        save_path=str(save),
+        use_tqdm=False,
+    )
+
+
+def rollback(out: Path, store: Path) -> None:
+    """A fresh run, then a rollback to its step 10 on other data (same save_path); MLflow
+    writes to ``store`` (an existing one: a new one takes seconds to create)."""
+    for seed, resume in ((0, "auto"), (2, str(out / "checkpoints" / "step-00000010.pt"))):
+        loggers = [
+            MLflowLogger(tracking_uri=f"sqlite:///{store}", experiment="rollback"),
+            WandbLogger(project="rollback", mode="offline"),
+        ]
+        trainer(out, loggers, data_seed=seed).train(resume=resume)
+
+
+def locked(out: Path, save: str) -> None:
+    """Train into ``save`` (held by the test): every rank writes the error it raised."""
+    try:
+        trainer(Path(save), []).train()
+        error = "no error"
+    except OSError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    (out / f"locked-{fastdist.get_rank()}.txt").write_text(error)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--failing", action="store_true")
+    parser.add_argument("--unreachable", type=int, default=0)
+    parser.add_argument("--bad-state", action="store_true")
+    parser.add_argument("--locked", default="")
+    parser.add_argument("--rollback", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
 
-    fastdist.set_seed(0)
-    model = Linear()
     loggers = [
         TensorBoardLogger(),
         MLflowLogger(experiment="loggers-test", run_name="tiny"),
         WandbLogger(project="loggers-test", mode="offline"),
         FitlogLogger(),
     ]
-    trainer = DistTrainer(
-        train_data=dataset(80, 0),
-        dev_data=dataset(30, 1),
-        model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        loss=CrossEntropyLoss(pred="pred", target="target"),
-        metrics=AccuracyMetric(pred="pred", target="target"),
-        callbacks_all=[KillAt(args.kill_at)] if args.kill_at else [],
-        loggers=[*loggers, DiskFull()] if args.failing else loggers,
-        batch_size_per_gpu=8,
-        n_epochs=3,
-        print_every=2,
-        checkpoint_every=5,
-        save_path=str(out / "save"),
-        use_tqdm=False,
-    )
-    result = trainer.train()
-    if trainer.is_master:
+    if args.failing:
+        loggers.append(DiskFull())
+    if args.unreachable:
+        uri = f"http://127.0.0.1:{args.unreachable}"
+        loggers.append(MLflowLogger(tracking_uri=uri, experiment="unreachable"))
+    if args.bad_state:
+        loggers += [BadSave(), BadLoad()]
+    result = trainer(out / "save", loggers, kill_at=args.kill_at).train()
+    if fastdist.is_master():
         (out / "result.json").write_text(json.dumps(result))
+    if args.locked:
+        locked(out, args.locked)
+    if args.rollback:
+        rollback(out / "rollback", out / "save" / "mlflow.db")
 
 
 if __name__ == "__main__":
