@@ -7,7 +7,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from fastdist.distributed.dtensor import is_dtensor
 
 
 def by_mesh(tensors: Iterable[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
@@ -15,7 +16,7 @@ def by_mesh(tensors: Iterable[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
     parallelism holds two: the split layers' 2-D mesh and its ``dp_shard`` dimension."""
     groups: dict[Any, list[torch.Tensor]] = {}
     for t in tensors:
-        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+        groups.setdefault(t.device_mesh if is_dtensor(t) else None, []).append(t)
     return groups
 
 
@@ -26,7 +27,7 @@ def global_norm(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     norms = []
     for group in by_mesh(tensors).values():
         norm = torch.nn.utils.get_total_norm(group)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        norms.append(norm.full_tensor() if is_dtensor(norm) else norm)
     if len(norms) == 1:
         return norms[0]
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())

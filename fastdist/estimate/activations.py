@@ -14,13 +14,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from fastdist.strategies.tensor_parallel import split_dim
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 #: The owner of what is kept outside every block (embeddings, the head, the loss).
 OUTSIDE = -1
@@ -89,6 +89,8 @@ def measure(
 ) -> Activations:
     """Run ``run()`` (one forward, and the loss if any) on ``model`` and record what it keeps;
     ``styles``: the tensor-parallel plan (``{module name: style}``) over ``tp`` ranks."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
     record = _Record(params, tp)
@@ -187,6 +189,8 @@ def _entering(module: nn.Module, hook: Callable[[bool, tuple[Any, ...]], None]) 
 def _local_view(model: nn.Module, styles: Mapping[str, ParallelStyle], tp: int) -> Iterator[None]:
     """Narrow each split layer's parameters to one rank's shard (views: no copy), and put the
     originals back after. A row-split embedding stays whole: a rank looks up whole rows."""
+    from fastdist.strategies.tensor_parallel import split_dim
+
     saved: list[tuple[nn.Module, str, nn.Parameter]] = []
     try:
         for name, style in styles.items() if tp > 1 else ():

@@ -8,11 +8,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
 
 from fastdist.checks import check_choice, check_int
 from fastdist.data.feed import make_forward, to_device
@@ -21,7 +20,9 @@ from fastdist.estimate.optimizer import state_shapes
 from fastdist.losses import as_loss_fn
 from fastdist.strategies import Strategy, Topology, resolve_strategy
 from fastdist.strategies.blocks import checkpoint_period
-from fastdist.strategies.tensor_parallel import check_plan, resolve_plan, split_dim
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 _AMP = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -166,6 +167,8 @@ def _plan(model: nn.Module, strategy: Strategy, tp: int) -> dict[str, ParallelSt
     """The tensor-parallel plan over ``tp`` ranks (checked); ``{}`` without one."""
     if tp == 1:
         return {}
+    from fastdist.strategies.tensor_parallel import check_plan, resolve_plan
+
     plan = resolve_plan(model, getattr(strategy, "tp_plan", None))
     if callable(plan):
         raise ValueError(
@@ -182,6 +185,8 @@ def _shards(
     """Each parameter's bytes on one rank: split by the plan (tensor parallel), then by
     FSDP along its first dimension (padded to a multiple of the shards, as ``fully_shard``
     does) over the ``shards`` ranks of ``dp_shard``."""
+    from fastdist.strategies.tensor_parallel import split_dim
+
     found = {}
     for name, param in model.named_parameters():
         owner, _, attr = name.rpartition(".")

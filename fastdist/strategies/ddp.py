@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
-from torch.distributed.algorithms.model_averaging.utils import average_parameters
 from torch.nn.parallel import DistributedDataParallel
 
 from fastdist.checkpoint import PER_RANK
@@ -17,8 +15,12 @@ from fastdist.checks import check_bool, check_choice, check_int, check_number
 from fastdist.distributed import get_world_size, is_distributed
 from fastdist.logging import logger
 from fastdist.strategies.base import Strategy
-from fastdist.strategies.powersgd import PowerSGD
 from fastdist.strategies.topology import Topology
+
+if TYPE_CHECKING:  # the hooks are imported when set
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
+
+    from fastdist.strategies.powersgd import PowerSGD
 
 COMM_HOOKS = (None, "fp16", "bf16", "powersgd")
 
@@ -125,15 +127,21 @@ class DDP(Strategy):
             **options,
         )
         if self.comm_hook in ("fp16", "bf16"):
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
             hook = default_hooks.fp16_compress_hook
             if self.comm_hook == "bf16":
                 hook = default_hooks.bf16_compress_hook
             ddp.register_comm_hook(group, hook)
         elif self.comm_hook == "powersgd":
+            from fastdist.strategies.powersgd import PowerSGD
+
             self.powersgd = PowerSGD(model, group)
             ddp.register_comm_hook(self.powersgd.state, self.powersgd.hook)
         elif self.average_every:
             # Each rank its own subgroup: after the warm-up no gradient is all-reduced at all.
+            from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
+
             subgroup, _ = dist.new_subgroups(group_size=1)
             self.own_groups.append(subgroup)
             self.local_sgd = post_localSGD_hook.PostLocalSGDState(
@@ -151,6 +159,8 @@ class DDP(Strategy):
         """After update ``step``: average the parameters if the local-SGD period ends here."""
         every = self.average_every
         if self.local_sgd is not None and step > every and step % every == 0:
+            from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
             group = self.group or dist.group.WORLD  # WORLD exists: DDP runs in a group
             average_parameters(self.model.parameters(), group)  # type: ignore[arg-type]
 
@@ -158,6 +168,8 @@ class DDP(Strategy):
         """Under local SGD the ranks' parameters differ between averagings: they are averaged
         (as at the end of a period) so that one model is evaluated, and kept as the best."""
         if self.local_sgd is not None:
+            from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
             average_parameters(self.model.parameters(), self.group or dist.group.WORLD)  # type: ignore[arg-type]
         super().before_evaluation()
 

@@ -8,40 +8,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-    register_fsdp_forward_method,
-)
 
 from fastdist.checkpoint import PER_RANK, SHARDED
 from fastdist.checks import check_bool, check_int, describe
 from fastdist.distributed import get_rank, get_world_size, is_distributed
+from fastdist.distributed.dtensor import is_fsdp_module
 from fastdist.logging import logger
 from fastdist.strategies.base import Strategy
 from fastdist.strategies.blocks import checkpoint_blocks, compile_blocks, find_blocks, plain_name
-from fastdist.strategies.sharded_io import (
-    ShardedModel,
-    ShardedOptimizer,
-    gather_full,
-    refuse_sharded_save_pretrained,
-    scatter_full,
-)
-from fastdist.strategies.tensor_parallel import (
-    Plan,
-    apply_plan,
-    check_plan,
-    check_plan_option,
-    resolve_plan,
-)
 from fastdist.strategies.topology import Topology
+
+if TYPE_CHECKING:  # torch's FSDP and DTensor packages (~0.6 s) are imported when used
+    from fastdist.strategies.tensor_parallel import Plan
 
 _PARAM_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -137,6 +119,8 @@ class FSDP(Strategy):
         tp_plan: Plan | None = None,
         replicate: int = 1,
     ) -> None:
+        from fastdist.strategies.tensor_parallel import check_plan_option
+
         check_wrap(wrap)
         check_bool("reshard_after_forward", reshard_after_forward)
         check_bool("cpu_offload", cpu_offload)
@@ -176,6 +160,8 @@ class FSDP(Strategy):
             )
         self.degrees(get_world_size())
         if self.tp > 1:
+            from fastdist.strategies.tensor_parallel import check_plan, resolve_plan
+
             plan = resolve_plan(model, self.tp_plan)
             if not callable(plan):
                 check_plan(model, plan, self.tp)
@@ -228,6 +214,16 @@ class FSDP(Strategy):
             if compile:
                 compile_blocks(model, blocks)
             return optimizer
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
+
+        from fastdist.strategies.sharded_io import refuse_sharded_save_pretrained
+
         old_names = {id(p): name for name, p in model.named_parameters()}
         mesh = self._apply_layout(model)
         checkpoint_blocks(model, blocks, checkpointing)
@@ -263,6 +259,8 @@ class FSDP(Strategy):
         shards over: ``dp_shard``, or ``dp_replicate`` x ``dp_shard`` (HSDP)."""
         topology = self.topology
         if self.tp > 1:
+            from fastdist.strategies.tensor_parallel import apply_plan, resolve_plan
+
             plan = resolve_plan(model, self.tp_plan)
             apply_plan(model, plan, topology.mesh("tp"))
             logger.info(
@@ -278,7 +276,7 @@ class FSDP(Strategy):
     def replicas(self, step: int) -> list[tuple[str, torch.Tensor]]:
         """Each rank's shards, which the replica groups (HSDP) hold copies of; none under
         plain FSDP (each parameter has one copy, split over the ranks)."""
-        if not isinstance(self.model, FSDPModule):
+        if not is_fsdp_module(self.model):
             return super().replicas(step)
         if self.topology.size("dp_replicate") == 1:
             return []
@@ -287,13 +285,13 @@ class FSDP(Strategy):
     def after_evaluation(self) -> None:
         """Shard the root's parameters again: a forward without backward leaves them gathered
         (the root keeps them for backward), beside the sharded blocks'."""
-        if isinstance(self.model, FSDPModule):
+        if is_fsdp_module(self.model):
             self.model.reshard()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradients accumulate unreduced; the window's last micro-batch reduce-scatters them."""
-        if not isinstance(self.model, FSDPModule):
+        if not is_fsdp_module(self.model):
             yield
             return
         self.model.set_requires_gradient_sync(False)
@@ -304,19 +302,25 @@ class FSDP(Strategy):
 
     def full_state_dict(self) -> dict[str, Any] | None:
         """The whole model's ``state_dict`` on the CPU of rank 0 (a collective)."""
-        if not isinstance(self.model, FSDPModule):  # one process: the plain model
+        if not is_fsdp_module(self.model):  # one process: the plain model
             return super().full_state_dict()
+        from fastdist.strategies.sharded_io import gather_full
+
         return gather_full(self.model, get_rank())
 
     def load_full_state_dict(self, weights: dict[str, Any] | None) -> None:
         """Load rank 0's full ``weights`` into every rank's shards (a collective)."""
-        if not isinstance(self.model, FSDPModule):
+        if not is_fsdp_module(self.model):
             super().load_full_state_dict(weights)
             return
+        from fastdist.strategies.sharded_io import scatter_full
+
         scatter_full(self.model, weights)
 
     def checkpoint_parts(self) -> list[tuple[str, Any, str]]:
         """Model and optimizer as DCP shards (any world size resumes them)."""
+        from fastdist.strategies.sharded_io import ShardedModel, ShardedOptimizer
+
         return [
             ("model", ShardedModel(self.model), SHARDED),
             ("optimizer", ShardedOptimizer(self.model, self.optimizer), SHARDED),

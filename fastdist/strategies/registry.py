@@ -6,9 +6,9 @@ import copy
 from typing import Any
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
+from fastdist.distributed.dtensor import is_fsdp_module
 from fastdist.strategies.base import Strategy
 from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP
@@ -37,7 +37,7 @@ def eval_view(model: nn.Module) -> tuple[nn.Module, bool]:
     fastdist's tensor-parallel models are sharded too)."""
     if isinstance(model, DistributedDataParallel):
         return model.module, False
-    return model, isinstance(model, FSDPModule)
+    return model, is_fsdp_module(model)
 
 
 def model_class(model: nn.Module) -> type[nn.Module]:
@@ -45,8 +45,10 @@ def model_class(model: nn.Module) -> type[nn.Module]:
     a model's class in place for a subclass named ``FSDP<Name>``, whose base it is."""
     if isinstance(model, DistributedDataParallel):
         model = model.module
-    if not isinstance(model, FSDPModule):
+    if not is_fsdp_module(model):
         return type(model)
+    from torch.distributed.fsdp import FSDPModule
+
     return next(
         c for c in type(model).__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule)
     )
