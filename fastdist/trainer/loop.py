@@ -116,7 +116,8 @@ class Loop:
         state, optimizer = self.state, self.run.optimizer
         # With fp16 the gradient scaler handles overflow itself, skipping such steps.
         skip = self.options.on_nonfinite == "skip" and self.precision.scaler is None
-        if skip and not all_finite(p.grad for p in self.model.parameters()):
+        stages = self.world.topology.stage_group  # a pipeline's stages judge together
+        if skip and not all_finite((p.grad for p in self.model.parameters()), stages):
             self._warn_skipped()
             applied = False
         else:
