@@ -102,7 +102,10 @@ class Update:
         if index != state.batch_idx:
             self._at(index)
         if state.is_update:  # (sum, count) losses: divide by the update's global count
-            self.losses.normalize(self.model, self.world.size, self.world.group)
+            topology = self.world.topology
+            self.losses.normalize(
+                self.model, topology.loss_ranks, self.world.group, topology.sizes["pp"] > 1
+            )
         self.timer.backward_done(state.is_update)  # splits off the all-reduce wait
         self.callbacks.on_backward_end()
         if not state.is_update:
