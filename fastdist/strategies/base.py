@@ -97,6 +97,10 @@ class Strategy:
         """Raise if this strategy cannot run ``model`` on ``device`` (alike on every rank,
         before any collective)."""
 
+    def check_window(self, update_every: int) -> None:
+        """Raise if this strategy cannot run updates of ``update_every`` micro-batches (alike
+        on every rank, before any collective)."""
+
     def setup(
         self,
         model: nn.Module,
