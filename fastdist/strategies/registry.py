@@ -27,7 +27,7 @@ def resolve_strategy(strategy: Any) -> Strategy:
     raise ValueError(
         f"strategy must be 'ddp' (every rank holds the whole model), 'fsdp' (sharded "
         f"parameters, gradients and optimizer state) or an object of fastdist.strategies "
-        f"(DDP(...), FSDP(...)), got {strategy!r}"
+        f"(DDP(...), FSDP(...), Pipeline(...)), got {strategy!r}"
     )
 
 

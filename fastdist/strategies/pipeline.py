@@ -1,0 +1,300 @@
+"""Pipeline: the model cut into stages over ``pp`` ranks, each stage replicated with DDP over
+``dp_replicate``; torch's ``PipelineStage`` and schedules run each update.
+
+Each rank runs one stage (:mod:`~fastdist.strategies.stages`); the ranks of one pipeline see
+the same micro-batches, the loss is computed on the last stage. The whole model stays on
+every rank, only its own stage trained there: evaluation, prediction, the best model and
+``save_model`` first bring every stage's parameters to every rank of the pipeline.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_leaves
+
+from fastdist.checkpoint import PER_RANK
+from fastdist.checks import check_choice, check_int, describe
+from fastdist.distributed import get_world_size
+from fastdist.strategies.base import Strategy, Update
+from fastdist.strategies.blocks import checkpoint_blocks
+from fastdist.strategies.ddp import DDP, _to_cpu
+from fastdist.strategies.stages import StageModule, check_cut, plan_stages
+from fastdist.strategies.topology import Topology
+
+SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class Pipeline(Strategy):
+    """Pipeline parallelism: ``stages`` ranks each run one stage of the model, the micro-batches
+    of every update flowing through them as torch's schedule orders; the ``world_size /
+    stages`` pipelines are data parallel (DDP over ``dp_replicate``).
+
+    Args:
+        stages: pipeline stages, one per rank; it must divide the world size.
+        schedule: ``"1f1b"`` (one forward, one backward: activations of at most ``stages``
+            micro-batches kept; needs ``update_every >= stages``) or ``"gpipe"`` (all
+            forwards, then all backwards).
+        split: the first block of every stage after the first (``["layers.4"]``), blocks of
+            one ``nn.ModuleList``/``nn.ModuleDict``; ``None``: that list's blocks split evenly.
+        stage_strategy: how each stage is replicated: ``DDP()`` (the default, ``None``).
+
+    An update's ``update_every`` micro-batches are the schedule's micro-batches; their losses
+    keep the trainer's weights (a ``(sum, count)`` loss divided by the update's count), the
+    schedule does not divide by their number. Every micro-batch of one update must have the
+    same shapes (a new stage is set up for each new shape, e.g. a short last batch).
+    Checkpoints hold each stage's parameters and optimizer state and resume on the same layout.
+
+    Example:
+        >>> strategy = Pipeline(stages=2, schedule="1f1b", split=None, stage_strategy=DDP())
+        >>> strategy.degrees(4)  # torchrun --nproc-per-node=4: 2 pipelines of 2 stages
+        {'pp': 2, 'dp_replicate': 2}
+    """
+
+    def __init__(
+        self,
+        stages: int = 2,
+        schedule: str = "1f1b",
+        split: list[str] | None = None,
+        stage_strategy: Strategy | None = None,
+    ) -> None:
+        check_int("stages", stages, minimum=2)
+        if schedule == "interleaved-1f1b":
+            raise ValueError(
+                "schedule='interleaved-1f1b' runs several stages per rank, and looped schedules "
+                "hang over gloo (the CPU backend; PiPPy #944); Pipeline runs one stage per "
+                "rank: use schedule='1f1b' or 'gpipe'"
+            )
+        check_choice("schedule", schedule, tuple(SCHEDULES))
+        if split is not None:
+            if not isinstance(split, (list, tuple)) or not all(isinstance(s, str) for s in split):
+                raise TypeError(f"split must be a list of module names or None, got {split!r}")
+            if len(split) != stages - 1:
+                raise ValueError(
+                    f"split names where each stage after the first starts: {stages - 1} "
+                    f"name(s) for stages={stages}, got {len(split)}: {list(split)}"
+                )
+        _check_stage_strategy(stage_strategy)
+        self.stages, self.schedule = stages, schedule
+        self.split = None if split is None else list(split)
+        self.stage_strategy = stage_strategy
+
+    def degrees(self, world_size: int) -> dict[str, int]:
+        """``pp x dp_replicate``: ``stages`` ranks per pipeline, the rest its replicas."""
+        if world_size % self.stages:
+            raise ValueError(
+                f"Pipeline(stages={self.stages}) runs one stage per rank, but the world has "
+                f"{world_size} process(es), not a multiple of {self.stages}: launch a multiple "
+                f"of {self.stages} processes, or pick stages dividing {world_size}"
+            )
+        return {"pp": self.stages, "dp_replicate": world_size // self.stages}
+
+    def check(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        amp: str | None,
+    ) -> None:
+        self.degrees(get_world_size())
+        plan_stages(model, self.stages, self.split)
+        if amp == "fp16":
+            raise ValueError(
+                "amp='fp16' under Pipeline: the gradient scaler would skip an update on one "
+                "stage only; use amp='bf16'"
+            )
+
+    def check_window(self, update_every: int) -> None:
+        if self.schedule == "1f1b" and update_every < self.stages:
+            raise ValueError(
+                f"schedule='1f1b' needs at least as many micro-batches per update as stages, "
+                f"but update_every={update_every} < stages={self.stages}: raise update_every "
+                f"to {self.stages}, or use schedule='gpipe'"
+            )
+
+    def setup(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        group: Any,
+        amp: str | None,
+        *,
+        compile: bool = False,
+        checkpointing: int = 0,
+        timeout: float | None = None,
+        topology: Topology | None = None,
+    ) -> torch.optim.Optimizer:
+        """Cut this rank's stage, point the optimizer at its parameters, replicate it."""
+        if compile:
+            raise ValueError("compile=True under Pipeline is not supported yet: drop compile")
+        self.attach(model, optimizer, device, group, topology)
+        checkpoint_blocks(model, self.blocks(model), checkpointing)
+        self.plan = plan_stages(model, self.stages, self.split)
+        self.index = self.topology.coordinate("pp")
+        self.order = [name for name, _ in model.named_children()]
+        self.stage = StageModule(model, self.plan, self.index)
+        self._schedules: dict[Any, Any] = {}  # by micro-batches and shapes
+        mine = {id(p) for name, p in model.named_parameters() if self.owns(name)}
+        for group_ in optimizer.param_groups:
+            group_["params"] = [p for p in group_["params"] if id(p) in mine]
+        self.module = self.stage
+        if self.topology.size("dp_replicate") > 1:
+            self.module = self._replicate(self.stage)
+        return optimizer
+
+    def _replicate(self, stage: StageModule) -> DistributedDataParallel:
+        """DDP over this stage's replicas, blind to the other stages' parameters."""
+        options = self.stage_strategy if isinstance(self.stage_strategy, DDP) else DDP()
+        others = [
+            name
+            for name, _ in itertools.chain(stage.named_parameters(), stage.named_buffers())
+            if not self.owns(name.removeprefix("model."))
+        ]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(stage, others)
+        extra: dict[str, Any] = {}
+        if options.bucket_cap_mb:
+            extra["bucket_cap_mb"] = options.bucket_cap_mb
+        return DistributedDataParallel(
+            stage,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            process_group=self.topology.mesh("dp_replicate").get_group(),
+            find_unused_parameters=options.find_unused_parameters,
+            static_graph=options.static_graph,
+            gradient_as_bucket_view=options.gradient_as_bucket_view,
+            **extra,
+        )
+
+    def owns(self, name: str) -> bool:
+        """Whether this rank's stage holds the parameter or buffer ``name``."""
+        return self.plan.owner(name, self.order) == self.index
+
+    def forward_backward(self, update: Update) -> None:
+        """Every micro-batch of the update through the schedule's ``step``."""
+        batches = list(update)
+        schedule = self._schedule(batches, update)
+        self.stage.model.train(self.model.training)
+        self.stage.begin(batches, update.forward)
+        self._loss = lambda output, i: update.loss(self.stage.output(i, output), batches[i])
+        schedule.step(target=torch.arange(len(batches)), return_outputs=False)
+        for _ in batches:
+            update.end()
+
+    def _schedule(self, batches: list[Any], update: Update) -> Any:
+        """The schedule of updates of ``len(batches)`` micro-batches of these shapes (made at
+        the first such update: a stage of static shapes, found by running the stages)."""
+        shapes = [_shapes(batch) for batch in batches]
+        if any(s != shapes[0] for s in shapes):
+            raise ValueError(
+                "the micro-batches of one update differ in shape, which a pipeline stage cannot "
+                "take: pad them to one length (e.g. in collate_fn)"
+            )
+        key = (len(batches), shapes[0])
+        if key not in self._schedules:
+            hidden = check_cut(self.model, self.plan, batches[0], update.forward)
+            stage = PipelineStage(
+                self.module,
+                self.index,
+                self.stages,
+                self.device,
+                input_args=() if self.index == 0 else _example(hidden[self.index - 1]),
+                output_args=_example(hidden[self.index]),
+                group=self.topology.mesh("pp").get_group(),
+            )
+            kind = SCHEDULES[self.schedule] if len(batches) >= self.stages else ScheduleGPipe
+            self._schedules[key] = kind(
+                stage,
+                len(batches),
+                loss_fn=lambda out, i: self._loss(out, int(i)),
+                scale_grads=False,
+            )
+        return self._schedules[key]
+
+    def replicas(self, step: int) -> list[tuple[str, torch.Tensor]]:
+        """This stage's parameters, which its replicas hold copies of."""
+        return [(n, p) for n, p in self.model.named_parameters() if self.owns(n)]
+
+    def gather(self) -> None:
+        """Every stage's parameters and buffers onto every rank of its pipeline."""
+        ranks = self.topology.ranks_along(self.topology.rank, "pp")
+        group = self.topology.mesh("pp").get_group()
+        tensors = itertools.chain(self.model.named_parameters(), self.model.named_buffers())
+        with torch.no_grad():
+            for name, tensor in tensors:
+                owner = self.plan.owner(name, self.order)
+                dist.broadcast(tensor, src=ranks[owner], group=group)
+
+    def before_evaluation(self) -> None:
+        """The whole model on every rank (every stage's parameters), rank 0's buffers."""
+        self.gather()
+        super().before_evaluation()
+
+    def full_state_dict(self) -> dict[str, Any] | None:
+        self.gather()
+        return super().full_state_dict()
+
+    def checkpoint_parts(self) -> list[tuple[str, Any, str]]:
+        """Each stage's own parameters and optimizer state (same layout to resume)."""
+        return [
+            ("model", StageState(self), PER_RANK),
+            ("optimizer", StageState(self, self.optimizer), PER_RANK),
+            ("strategy", self, PER_RANK),
+        ]
+
+
+class StageState:
+    """A stage's part of the model (its own entries) or its optimizer, as a per-rank part."""
+
+    def __init__(self, pipeline: Pipeline, optimizer: torch.optim.Optimizer | None = None):
+        self.pipeline, self.optimizer = pipeline, optimizer
+
+    def state_dict(self) -> Any:
+        if self.optimizer is not None:
+            return _to_cpu(self.optimizer.state_dict())
+        state = self.pipeline.model.state_dict()
+        return {k: v.detach().cpu() for k, v in state.items() if self.pipeline.owns(k)}
+
+    def load_state_dict(self, state: Any) -> None:
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state)
+            return
+        wrong = self.pipeline.model.load_state_dict(state, strict=False).unexpected_keys
+        if wrong:
+            raise ValueError(f"this stage's checkpoint holds entries of no stage: {wrong}")
+
+    def load_resized(self, states: list[Any]) -> None:
+        raise ValueError(
+            f"the checkpoint was written by {len(states)} processes: a Pipeline checkpoint "
+            f"resumes on the layout that wrote it ({self.pipeline.topology})"
+        )
+
+
+def _check_stage_strategy(strategy: Any) -> None:
+    plain = type(strategy) is DDP and not strategy.comm_hook and not strategy.average_every
+    if strategy is None or plain:
+        return
+    raise ValueError(
+        f"stage_strategy must be DDP() (optionally with bucket_cap_mb, find_unused_parameters, "
+        f"static_graph, gradient_as_bucket_view) or None, got {describe(strategy)}: FSDP stages, "
+        "DDP's communication hooks and local SGD are not supported under Pipeline yet"
+    )
+
+
+def _shapes(batch: Any) -> tuple[Any, ...]:
+    """The shapes and dtypes of the tensors of ``batch`` (dicts, lists, tuples)."""
+    leaves = tree_leaves(batch)
+    return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _example(hidden: Any) -> Any:
+    """An activation of ``hidden``'s shape as it flows in training (requiring gradients); for
+    the last stage's output (a tuple of tensors, not sent), as many placeholders."""
+    if isinstance(hidden, tuple):
+        return tuple(torch.empty(0) for _ in hidden)
+    return torch.empty_like(hidden).requires_grad_(hidden.is_floating_point())

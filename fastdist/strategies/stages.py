@@ -1,0 +1,247 @@
+"""Cutting a model into pipeline stages by name, torchtitan's way: each stage runs a copy of
+the whole model in which the blocks of other stages are pass-throughs.
+
+The models it takes: the repeated blocks are the children of one ``nn.ModuleList`` or
+``nn.ModuleDict`` and run in order; each takes the hidden state as its first positional
+argument and returns a tensor of the same kind. Modules registered before the blocks run
+before them and belong to the first stage (embeddings), those registered after run after
+them and belong to the last (final norm, head); parameters of the model itself belong to the
+first stage. The copies share the model's parameters and buffers, so state-dict keys stay
+the model's own, and the model itself stays whole (evaluation and ``save_model`` read it).
+
+A stage's copy runs the model's ``forward`` on the micro-batch: on every stage but the first,
+the first block of the stage has its input replaced by the activation received from the
+stage before (what runs before it on this stage, cheap non-block modules on the inputs and
+pass-throughs, is discarded); on every stage but the last, the forward stops when it reaches
+the next stage's first block and returns that block's input.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+class PassThrough(nn.Module):
+    """Stands in for a block of another stage: returns its first argument."""
+
+    def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        return hidden
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which stage holds what: ``blocks[s]`` are stage ``s``'s block names, in order;
+    ``container``: the name of the ``ModuleList``/``ModuleDict`` holding them."""
+
+    container: str
+    blocks: list[list[str]]
+
+    def starts(self) -> list[str]:
+        """The first block of every stage after the first (the boundaries)."""
+        return [names[0] for names in self.blocks[1:]]
+
+    def owner(self, name: str, order: list[str]) -> int:
+        """The stage holding the parameter or buffer ``name``; ``order``: the model's
+        top-level children in registration order."""
+        for stage, names in enumerate(self.blocks):
+            if any(name.startswith(block + ".") for block in names):
+                return stage
+        child = name.split(".")[0]
+        top = self.container.split(".")[0]
+        if child in order and order.index(child) > order.index(top):
+            return len(self.blocks) - 1
+        return 0
+
+
+def containers(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """``(name, block names)`` of the model's outermost ``ModuleList``/``ModuleDict``s."""
+    found: list[tuple[str, list[str]]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(outer + ".") for outer, _ in found):
+            continue
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and name:
+            found.append((name, [f"{name}.{child}" for child, _ in module.named_children()]))
+    return found
+
+
+def plan_stages(model: nn.Module, stages: int, split: list[str] | None) -> StagePlan:
+    """The blocks of each of ``stages`` stages: cut at ``split`` (the first block of every
+    stage after the first), or evenly over the model's largest list of blocks. Raise a
+    ``ValueError`` naming the fix if the model cannot be cut so."""
+    found = containers(model)
+    cls = type(model).__name__
+    if split is None:
+        if not found:
+            raise ValueError(
+                f"Pipeline(split=None) splits the model's repeated blocks evenly, but {cls} "
+                "holds none: put its layers in an nn.ModuleList (or nn.ModuleDict), or pass "
+                "split=['name.of.a.module', ...] naming where each stage after the first starts"
+            )
+        container, blocks = max(found, key=lambda item: len(item[1]))
+        if len(blocks) < stages:
+            raise ValueError(
+                f"Pipeline(stages={stages}) needs at least {stages} blocks, but {cls}'s "
+                f"{container} holds {len(blocks)}: use fewer stages"
+            )
+        per, extra = divmod(len(blocks), stages)
+        bounds = [s * per + min(s, extra) for s in range(stages + 1)]
+        return StagePlan(container, [blocks[a:b] for a, b in itertools.pairwise(bounds)])
+    return _cut_at(model, found, split)
+
+
+def _cut_at(model: nn.Module, found: list[tuple[str, list[str]]], split: list[str]) -> StagePlan:
+    names = dict(model.named_modules())
+    missing = [name for name in split if name not in names]
+    if missing:
+        raise ValueError(
+            f"Pipeline(split={split}) names {missing}, which {type(model).__name__} does not "
+            "contain: name modules of model.named_modules(), e.g. 'layers.4'"
+        )
+    for container, blocks in found:
+        if all(name in blocks for name in split):
+            cuts = [0] + [blocks.index(name) for name in split] + [len(blocks)]
+            if all(a < b for a, b in itertools.pairwise(cuts)):
+                return StagePlan(container, [blocks[a:b] for a, b in itertools.pairwise(cuts)])
+    shown = "; ".join(f"{c}: {blocks[0]} ... {blocks[-1]}" for c, blocks in found) or "none"
+    raise ValueError(
+        f"Pipeline(split={split}) must name blocks of one nn.ModuleList/ModuleDict, in order, "
+        f"after its first block (each the first block of a stage); the model's blocks: {shown}"
+    )
+
+
+#: Where a tensor was among the leaves of the model's output.
+_TENSOR = object()
+
+
+class Boundary(Exception):
+    """Raised by the next stage's first block to end this stage's forward with its input."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__("pipeline stage boundary")
+        self.hidden = hidden
+
+
+class StageModule(nn.Module):
+    """One stage of ``model`` (see the module's docs), fed the micro-batches of the update
+    :meth:`begin` names, one per forward, in order.
+
+    Args:
+        model: the whole model; the copy shares its parameters and buffers.
+        plan: the stages.
+        index: which stage this is.
+    """
+
+    def __init__(self, model: nn.Module, plan: StagePlan, index: int) -> None:
+        super().__init__()
+        shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+        self.model = copy.deepcopy(model, memo=dict(shared))
+        for stage, names in enumerate(plan.blocks):
+            for name in names if stage != index else ():
+                parent, _, child = name.rpartition(".")
+                self.model.get_submodule(parent).register_module(child, PassThrough())
+        starts = plan.starts()
+        if index > 0:
+            start = self.model.get_submodule(starts[index - 1])
+            start.register_forward_pre_hook(self._receive)
+        self.next = starts[index] if index < len(starts) else None
+        if self.next is not None:
+            self.model.get_submodule(self.next).register_forward_pre_hook(_stop)
+        self.batches: list[Any] = []
+        self.run: Callable[[nn.Module, Any], Any] | None = None
+        self.count = 0
+        self.hidden: torch.Tensor | None = None
+        self.outputs: list[tuple[Any, list[Any]]] = []  # the last stage's, in pieces
+
+    def begin(self, batches: list[Any], run: Callable[[nn.Module, Any], Any]) -> None:
+        """The next forwards are those of ``batches``, each run as ``run(module, batch)``."""
+        self.batches, self.run, self.count, self.outputs = batches, run, 0, []
+
+    def forward(self, *received: torch.Tensor) -> Any:
+        """The activation for the next stage; on the last stage, the tensors of the model's
+        output (:meth:`output` puts them together again)."""
+        assert self.run is not None, "StageModule.begin() names the micro-batches"
+        batch = self.batches[self.count]
+        self.count += 1
+        self.hidden = received[0] if received else None
+        try:
+            output = self.run(self.model, batch)
+        except Boundary as boundary:
+            return boundary.hidden
+        finally:
+            self.hidden = None
+        if self.next is not None:
+            raise ValueError(
+                f"{type(self.model).__name__}'s forward never ran {self.next}, where a "
+                "pipeline stage starts: split the model at blocks its forward runs"
+            )
+        leaves, spec = tree_flatten(output)
+        self.outputs.append((spec, [_TENSOR if torch.is_tensor(x) else x for x in leaves]))
+        return tuple(x for x in leaves if torch.is_tensor(x))
+
+    def output(self, index: int, tensors: tuple[torch.Tensor, ...]) -> Any:
+        """The model's output of micro-batch ``index`` from the tensors :meth:`forward`
+        returned (a schedule passes on tensors only)."""
+        spec, leaves = self.outputs[index]
+        given = iter(tensors)
+        return tree_unflatten([next(given) if x is _TENSOR else x for x in leaves], spec)
+
+    def _receive(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (self.hidden, *args[1:])
+
+
+def _stop(module: nn.Module, args: tuple[Any, ...]) -> None:
+    raise Boundary(args[0])
+
+
+def check_cut(
+    model: nn.Module, plan: StagePlan, batch: Any, run: Callable[[nn.Module, Any], Any]
+) -> list[torch.Tensor]:
+    """Run ``batch`` through every stage in turn and through the whole model, in eval mode
+    without gradients; return the activations passed between the stages. Raise a
+    ``ValueError`` if the stages' output differs from the model's (the model cannot be cut).
+    The last entry is the model's output."""
+    stages = [StageModule(model, plan, index) for index in range(len(plan.blocks))]
+    whole = StageModule(model, StagePlan(plan.container, [sum(plan.blocks, [])]), 0)
+    hidden: list[Any] = []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(_devices(model)):
+            for stage in [*stages, whole]:
+                stage.eval()
+                stage.begin([batch], run)
+            for stage in stages:
+                hidden.append(stage(*hidden[-1:]))
+            expected = whole()
+    except Exception as exc:
+        raise ValueError(_uncut(model, plan, f"{type(exc).__name__}: {exc}")) from exc
+    out = hidden[-1]
+    same = len(out) == len(expected) and all(
+        a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+        for a, b in zip(out, expected, strict=True)
+    )
+    if not same:
+        raise ValueError(_uncut(model, plan, "cut so, it computes another output"))
+    return hidden
+
+
+def _uncut(model: nn.Module, plan: StagePlan, what: str) -> str:
+    """Why ``model`` cannot be cut into stages at the plan's boundaries, and the fix."""
+    return (
+        f"{type(model).__name__} cannot be cut into pipeline stages at {plan.starts()} "
+        f"({what}): its "
+        "forward must run the blocks in order and hand each block's output only to the next "
+        "block (h = block(h), residual connections inside the blocks, as transformer layers "
+        "do), computing nothing after a block from values before it but the inputs"
+    )
+
+
+def _devices(model: nn.Module) -> list[torch.device]:
+    """The CUDA devices of ``model``'s parameters (whose random generators are forked)."""
+    return list({p.device for p in model.parameters() if p.device.type == "cuda"})
