@@ -1,0 +1,138 @@
+"""``Pipeline`` (pipeline stages, each replicated with DDP): bad input refused in process, and
+real worlds of 1, 2 and 4 ranks (tests/workers/pipeline_worker.py) that must reach one
+process's parameters (float64, AdamW, gradient clipping, a ``(sum, count)`` token loss on
+sequences of uneven lengths, update_every=4), evaluate and predict as it does, save a model
+that loads strictly into the plain one, and resume exactly after a rank dies."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launch import Launch, free_port, run_ranks, run_together, torchrun_command
+from torch import nn
+from workers.pipeline_worker import N_TRAIN, Sequences, Tagger, flat, token_loss
+
+from fastdist import DDP, FSDP, DistTrainer, Pipeline
+from fastdist.strategies.stages import plan_stages
+
+WORKER = Path(__file__).resolve().parent / "workers" / "pipeline_worker.py"
+
+
+class Flat(nn.Module):
+    """No repeated blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: Pipeline(schedule="zero-bubble"), "schedule must be one of 'gpipe', '1f1b'"),
+        (lambda: Pipeline(schedule="interleaved-1f1b"), "hang over gloo (the CPU backend"),
+        (lambda: Pipeline(stages=1), "stages must be an integer >= 2"),
+        (lambda: Pipeline(stages=3, split=["blocks.2"]), "2 name(s) for stages=3, got 1"),
+        (lambda: Pipeline(stage_strategy=FSDP()), "FSDP stages, DDP's communication hooks"),
+        (lambda: Pipeline(stage_strategy=DDP(comm_hook="fp16")), "stage_strategy must be DDP()"),
+        (lambda: Pipeline(stages=3).degrees(4), "not a multiple of 3: launch a multiple of 3"),
+        (lambda: Pipeline().check_window(1), "update_every=1 < stages=2: raise update_every"),
+        (lambda: plan_stages(Tagger(), 2, ["blocks.9"]), "names ['blocks.9'], which Tagger"),
+        (lambda: plan_stages(Tagger(), 2, ["inp"]), "must name blocks of one nn.ModuleList"),
+        (lambda: plan_stages(Tagger(), 2, ["blocks.0"]), "blocks: blocks: blocks.0 ... blocks.3"),
+        (lambda: plan_stages(Tagger(), 5, None), "needs at least 5 blocks"),
+        (lambda: plan_stages(Flat(), 2, None), "put its layers in an nn.ModuleList"),
+    ],
+)
+def test_bad_pipelines_are_refused(make: Any, words: str) -> None:
+    with pytest.raises((ValueError, TypeError)) as caught:
+        make()
+    assert words in str(caught.value)
+
+
+def test_trainer_refuses_before_any_process_group() -> None:
+    """The checks DistTrainer runs alike on every rank: a window too short for 1F1B, a world
+    that the stages do not divide (here one process)."""
+    model = Tagger()
+
+    def trainer(**options: Any) -> None:
+        DistTrainer(Sequences(N_TRAIN), model, loss=token_loss, device="cpu", **options)
+
+    with pytest.raises(ValueError, match="schedule='1f1b' needs at least as many micro-batch"):
+        trainer(strategy=Pipeline(stages=2), update_every=1)
+    with pytest.raises(ValueError, match=r"Pipeline\(stages=2\) runs one stage per rank"):
+        trainer(strategy=Pipeline(stages=2, schedule="gpipe"))
+
+
+def test_even_split_and_owners() -> None:
+    plan = plan_stages(Tagger(), 3, None)
+    assert plan.blocks == [["blocks.0", "blocks.1"], ["blocks.2"], ["blocks.3"]]
+    order = ["inp", "blocks", "out"]
+    owners = [plan.owner(n, order) for n in ("inp.weight", "blocks.2.fc.bias", "out.weight")]
+    assert owners == [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("pipeline")
+
+
+@pytest.fixture(scope="module")
+def one(out: Path) -> dict[str, Any]:
+    _, ranks = run_ranks(WORKER, 1, ["one", str(out)], out / "one", False, cwd=out)
+    return ranks[0]["plain"]
+
+
+def assert_like_one_process(run: dict[str, Any], one: dict[str, Any]) -> None:
+    """The parameters, the saved model, evaluation and prediction of one process (float64:
+    the same sums in the same order, so equal to rounding)."""
+    assert run["steps"] == one["steps"] == 6
+    params = torch.tensor(run["params"])
+    assert (params - torch.tensor(flat(Tagger()))).abs().max() > 1e-2  # it trained
+    torch.testing.assert_close(params, torch.tensor(one["params"]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.tensor(run["saved"]), params, rtol=0, atol=0)
+    assert run["eval"]["loss"] == pytest.approx(one["eval"]["loss"], abs=1e-12)
+    preds = [[sample["pred"] for sample in r["predict"]] for r in (run, one)]
+    torch.testing.assert_close(torch.tensor(preds[0]), torch.tensor(preds[1]), rtol=0, atol=1e-12)
+    assert run["best_loaded"]
+
+
+@pytest.mark.slow
+def test_two_stages_train_one_process_model(one: dict[str, Any], out: Path) -> None:
+    """Pipeline(stages=2) with GPipe and 1F1B at 2 ranks; a model whose residual connections
+    skip its blocks is refused at its first update, alike on both ranks."""
+    _, ranks = run_ranks(WORKER, 2, ["pp2", str(out)], out / "pp2", True, cwd=out, timeout=180)
+    for schedule in ("gpipe", "1f1b"):
+        assert_like_one_process(ranks[0][schedule], one)
+        assert ranks[1][schedule]["eval"] == ranks[0][schedule]["eval"]
+        assert ranks[1][schedule]["predict"] is None  # rank 0 gets the outputs
+    assert ranks[0]["uncut"] == ranks[1]["uncut"]
+    assert "OutsideResidual cannot be cut into pipeline stages at ['blocks.2']" in ranks[0]["uncut"]
+    assert "h = block(h), residual connections inside the blocks" in ranks[0]["uncut"]
+
+
+@pytest.mark.slow
+def test_two_stages_by_two_replicas(one: dict[str, Any], out: Path) -> None:
+    """4 ranks as 2 pipelines of 2 stages (split=["blocks.1"]: 1 block, then 3), DDP between
+    the replicas of each stage, whose parameters check_sync_every compares."""
+    _, ranks = run_ranks(WORKER, 4, ["pp4", str(out)], out / "pp4", True, cwd=out, timeout=240)
+    assert_like_one_process(ranks[0]["pp_dp"], one)
+    assert {r["pp_dp"]["eval"]["loss"] for r in ranks} == {ranks[0]["pp_dp"]["eval"]["loss"]}
+
+
+@pytest.mark.slow
+def test_killed_pipeline_resumes_exactly(one: dict[str, Any], out: Path) -> None:
+    """Rank 1 (the last stage) dies after update 4; torchrun restarts both ranks, which resume
+    from update 3's checkpoint (each stage its own parameters and optimizer state)."""
+    options = ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+    command = torchrun_command(WORKER, 2, ["resume", str(out)], [*options, "--max-restarts=1"])
+    (result,) = run_together([Launch(command, cwd=out)], timeout=240)
+    assert result.returncode == 0, result.describe()
+    assert "resumed from" in result.output and "step-00000003" in result.output
+    run = json.loads((out / "resume" / "rank0.json").read_text())["resumed"]
+    assert run["start_step"] == 3
+    assert_like_one_process(run, one)
