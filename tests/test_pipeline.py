@@ -2,7 +2,8 @@
 real worlds of 1, 2 and 4 ranks (tests/workers/pipeline_worker.py) that must reach one
 process's parameters (float64, AdamW, gradient clipping, a ``(sum, count)`` token loss on
 sequences of uneven lengths, update_every=4), evaluate and predict as it does, save a model
-that loads strictly into the plain one, and resume exactly after a rank dies."""
+that loads strictly into the plain one, resume exactly after a rank dies, and write
+checkpoints that DDP resumes."""
 
 from __future__ import annotations
 
@@ -103,13 +104,17 @@ def assert_like_one_process(run: dict[str, Any], one: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 def test_two_stages_train_one_process_model(one: dict[str, Any], out: Path) -> None:
-    """Pipeline(stages=2) with GPipe and 1F1B at 2 ranks; a model whose residual connections
-    skip its blocks is refused at its first update, alike on both ranks."""
+    """Pipeline(stages=2) with GPipe and 1F1B at 2 ranks; DDP at 2 ranks resumes the GPipe
+    run's checkpoint of update 4 (the whole model and optimizer state, gathered from the
+    stages); a model whose residual connections skip its blocks is refused at its first
+    update, alike on both ranks."""
     _, ranks = run_ranks(WORKER, 2, ["pp2", str(out)], out / "pp2", True, cwd=out, timeout=180)
     for schedule in ("gpipe", "1f1b"):
         assert_like_one_process(ranks[0][schedule], one)
         assert ranks[1][schedule]["eval"] == ranks[0][schedule]["eval"]
         assert ranks[1][schedule]["predict"] is None  # rank 0 gets the outputs
+    assert ranks[0]["ddp_resumed"]["start_step"] == 4
+    assert_like_one_process(ranks[0]["ddp_resumed"], one)
     assert ranks[0]["uncut"] == ranks[1]["uncut"]
     assert "OutsideResidual cannot be cut into pipeline stages at ['blocks.2']" in ranks[0]["uncut"]
     assert "h = block(h), residual connections inside the blocks" in ranks[0]["uncut"]
@@ -127,7 +132,7 @@ def test_two_stages_by_two_replicas(one: dict[str, Any], out: Path) -> None:
 @pytest.mark.slow
 def test_killed_pipeline_resumes_exactly(one: dict[str, Any], out: Path) -> None:
     """Rank 1 (the last stage) dies after update 4; torchrun restarts both ranks, which resume
-    from update 3's checkpoint (each stage its own parameters and optimizer state)."""
+    from update 3's checkpoint (inside epoch 2), each stage taking its part of it."""
     options = ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
     command = torchrun_command(WORKER, 2, ["resume", str(out)], [*options, "--max-restarts=1"])
     (result,) = run_together([Launch(command, cwd=out)], timeout=240)

@@ -19,9 +19,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
-from fastdist.checkpoint import PER_RANK
+from fastdist.checkpoint import GATHERED, PER_RANK
 from fastdist.checks import check_choice, check_int, describe
-from fastdist.distributed import get_world_size
+from fastdist.distributed import gather_object, get_world_size
 from fastdist.strategies.base import Strategy, Update
 from fastdist.strategies.blocks import checkpoint_blocks
 from fastdist.strategies.ddp import DDP, _to_cpu
@@ -49,7 +49,8 @@ class Pipeline(Strategy):
     keep the trainer's weights (a ``(sum, count)`` loss divided by the update's count), the
     schedule does not divide by their number. Every micro-batch of one update must have the
     same shapes (a new stage is set up for each new shape, e.g. a short last batch).
-    Checkpoints hold each stage's parameters and optimizer state and resume on the same layout.
+    Checkpoints hold the whole model and optimizer state, gathered from the stages, as a plain
+    or DDP run's do: any layout resumes them, and a pipeline resumes theirs.
 
     Example:
         >>> strategy = Pipeline(stages=2, schedule="1f1b", split=None, stage_strategy=DDP())
@@ -141,9 +142,11 @@ class Pipeline(Strategy):
         self.order = [name for name, _ in model.named_children()]
         self.stage = StageModule(model, self.plan, self.index)
         self._schedules: dict[Any, Any] = {}  # by micro-batches and shapes
-        mine = {id(p) for name, p in model.named_parameters() if self.owns(name)}
+        names = {id(p): name for name, p in model.named_parameters()}
+        # The user's groups by name (what a checkpoint holds), then this stage's part of them.
+        self.groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         for group_ in optimizer.param_groups:
-            group_["params"] = [p for p in group_["params"] if id(p) in mine]
+            group_["params"] = [p for p in group_["params"] if self.owns(names[id(p)])]
         self.module = self.stage
         if self.topology.size("dp_replicate") > 1:
             self.module = self._replicate(self.stage)
@@ -240,39 +243,62 @@ class Pipeline(Strategy):
         return super().full_state_dict()
 
     def checkpoint_parts(self) -> list[tuple[str, Any, str]]:
-        """Each stage's own parameters and optimizer state (same layout to resume)."""
+        """The whole model and optimizer state, gathered from the stages: the checkpoint of a
+        plain or DDP run, which any layout resumes (each stage keeps its own part)."""
         return [
-            ("model", StageState(self), PER_RANK),
-            ("optimizer", StageState(self, self.optimizer), PER_RANK),
+            ("model", WholeModel(self), GATHERED),
+            ("optimizer", WholeOptimizer(self), GATHERED),
             ("strategy", self, PER_RANK),
         ]
 
 
-class StageState:
-    """A stage's part of the model (its own entries) or its optimizer, as a per-rank part."""
+class WholeModel:
+    """The whole model's state, gathered from the stages (rank 0's saved; a collective)."""
 
-    def __init__(self, pipeline: Pipeline, optimizer: torch.optim.Optimizer | None = None):
-        self.pipeline, self.optimizer = pipeline, optimizer
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
 
-    def state_dict(self) -> Any:
-        if self.optimizer is not None:
-            return _to_cpu(self.optimizer.state_dict())
-        state = self.pipeline.model.state_dict()
-        return {k: v.detach().cpu() for k, v in state.items() if self.pipeline.owns(k)}
+    def state_dict(self) -> dict[str, Any]:
+        return self.pipeline.full_state_dict() or {}
 
-    def load_state_dict(self, state: Any) -> None:
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(state)
-            return
-        wrong = self.pipeline.model.load_state_dict(state, strict=False).unexpected_keys
-        if wrong:
-            raise ValueError(f"this stage's checkpoint holds entries of no stage: {wrong}")
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pipeline.model.load_state_dict(state)
 
-    def load_resized(self, states: list[Any]) -> None:
-        raise ValueError(
-            f"the checkpoint was written by {len(states)} processes: a Pipeline checkpoint "
-            f"resumes on the layout that wrote it ({self.pipeline.topology})"
-        )
+
+class WholeOptimizer:
+    """The optimizer state of the whole model, as the user's optimizer over every parameter
+    would hold it: the stages' states gathered to rank 0 (a collective), each stage loading
+    its own part back."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline, self.optimizer = pipeline, pipeline.optimizer
+        self.order = [name for names in pipeline.groups for name in names]
+        self.own = [name for name in self.order if pipeline.owns(name)]
+
+    def state_dict(self) -> dict[str, Any]:
+        stage = self.optimizer.state_dict()
+        mine = {self.own[i]: _to_cpu(state) for i, state in stage["state"].items()}
+        everyone = gather_object(mine, self.pipeline.group)
+        if everyone is None:
+            return {}
+        merged = {name: state for states in everyone for name, state in states.items()}
+        groups, start = [], 0
+        for group, names in zip(stage["param_groups"], self.pipeline.groups, strict=True):
+            groups.append({**group, "params": list(range(start, start + len(names)))})
+            start += len(names)
+        state = {i: merged[name] for i, name in enumerate(self.order) if name in merged}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, whole: dict[str, Any]) -> None:
+        index = {name: i for i, name in enumerate(self.order)}
+        groups, start = [], 0
+        for group, names in zip(whole["param_groups"], self.pipeline.groups, strict=True):
+            count = sum(self.pipeline.owns(name) for name in names)
+            groups.append({**group, "params": list(range(start, start + count))})
+            start += count
+        saved = whole["state"]
+        state = {j: saved[index[n]] for j, n in enumerate(self.own) if index[n] in saved}
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _check_stage_strategy(strategy: Any) -> None:

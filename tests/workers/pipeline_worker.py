@@ -3,7 +3,8 @@
 Usage::
 
     pipeline_worker.py one OUT_DIR   # one process: the plain model
-    pipeline_worker.py pp2 OUT_DIR   # torchrun, 2 ranks: Pipeline(stages=2), gpipe and 1f1b
+    pipeline_worker.py pp2 OUT_DIR   # torchrun, 2 ranks: Pipeline(stages=2), gpipe and 1f1b;
+                                     # DDP resuming the gpipe run's checkpoint
     pipeline_worker.py pp4 OUT_DIR   # torchrun, 4 ranks: 2 stages x 2 replicas (1f1b)
     pipeline_worker.py resume OUT_DIR  # torchrun --max-restarts=1, 2 ranks: rank 1 dies
                                        # after update 4 on the first attempt
@@ -26,7 +27,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from workers.trainer_worker import write_json
 
-from fastdist import Callback, DistTrainer, LossMetric, Pipeline, get_rank
+from fastdist import DDP, Callback, DistTrainer, LossMetric, Pipeline, get_rank
 from fastdist.callbacks import GradientClipCallback
 
 WIDTH, N_TRAIN, N_DEV = 16, 32, 13
@@ -113,7 +114,7 @@ def flat(model: nn.Module) -> list[float]:
 def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw: Any) -> dict:
     """Train 3 epochs (6 updates); what rank 0 holds of the results."""
     model = kw.pop("model", None) or Tagger()
-    die = DieOnce(kw.pop("die_at", None))
+    die, resume = DieOnce(kw.pop("die_at", None)), kw.pop("resume", "auto")
     trainer = DistTrainer(
         Sequences(N_TRAIN),
         model,
@@ -136,7 +137,7 @@ def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw:
         timeout=60,
         **kw,
     )
-    summary = trainer.train()
+    summary = trainer.train(resume)
     result: dict[str, Any] = {
         "steps": summary["steps"],
         "start_step": die.start_step,
@@ -174,6 +175,9 @@ def main(argv: list[str]) -> int:
     elif mode == "pp2":
         result["gpipe"] = train(Pipeline(stages=2, schedule="gpipe"), out / "gpipe")
         result["1f1b"] = train(Pipeline(stages=2, schedule="1f1b"), out / "1f1b")
+        # The pipeline's checkpoint of update 4 (the end of epoch 2) resumed by DDP at 2 ranks.
+        step4 = out / "gpipe" / "save" / "checkpoints" / "step-00000004.pt"
+        result["ddp_resumed"] = train(DDP(), out / "ddp", update_every=2, resume=str(step4))
         result["uncut"] = refused(
             lambda: train(Pipeline(stages=2), out / "uncut", model=OutsideResidual())
         )
