@@ -17,7 +17,7 @@ from launch import Launch, free_port, run_ranks, run_together, torchrun_command
 from torch import nn
 from workers.pipeline_worker import N_TRAIN, Sequences, Tagger, flat, token_loss
 
-from fastdist import DDP, FSDP, DistTrainer, Pipeline
+from fastdist import DDP, FSDP, DistTrainer, Pipeline, estimate_memory
 from fastdist.strategies.stages import plan_stages
 
 WORKER = Path(__file__).resolve().parent / "workers" / "pipeline_worker.py"
@@ -47,6 +47,7 @@ class Flat(nn.Module):
         (lambda: plan_stages(Tagger(), 2, ["blocks.0"]), "blocks: blocks: blocks.0 ... blocks.3"),
         (lambda: plan_stages(Tagger(), 5, None), "needs at least 5 blocks"),
         (lambda: plan_stages(Flat(), 2, None), "put its layers in an nn.ModuleList"),
+        (lambda: estimate_memory(Tagger(), None, None, Pipeline(), 2), "pipeline stages yet"),
     ],
 )
 def test_bad_pipelines_are_refused(make: Any, words: str) -> None:

@@ -304,7 +304,7 @@ class Loop:
             world.data.size,
             ""
             if world.data.size == world.size
-            else " data shards (tensor-parallel peers share one)",
+            else " data shards (a pipeline's stages and tensor-parallel peers share one)",
             options.update_every,
             "unknown (a stream)" if left is None else state.total_steps,
         )
