@@ -107,15 +107,16 @@ def assert_like_one_process(run: dict[str, Any], one: dict[str, Any]) -> None:
 def test_two_stages_train_one_process_model(one: dict[str, Any], out: Path) -> None:
     """Pipeline(stages=2) with GPipe and 1F1B at 2 ranks; DDP at 2 ranks resumes the GPipe
     run's checkpoint of update 4 (the whole model and optimizer state, gathered from the
-    stages); a model whose residual connections skip its blocks is refused at its first
-    update, alike on both ranks."""
+    stages), and a pipeline one process's; a model whose residual connections skip its
+    blocks is refused at its first update, alike on both ranks."""
     _, ranks = run_ranks(WORKER, 2, ["pp2", str(out)], out / "pp2", True, cwd=out, timeout=180)
     for schedule in ("gpipe", "1f1b"):
         assert_like_one_process(ranks[0][schedule], one)
         assert ranks[1][schedule]["eval"] == ranks[0][schedule]["eval"]
         assert ranks[1][schedule]["predict"] is None  # rank 0 gets the outputs
-    assert ranks[0]["ddp_resumed"]["start_step"] == 4
-    assert_like_one_process(ranks[0]["ddp_resumed"], one)
+    for resumed in ("ddp_resumed", "from_one"):
+        assert ranks[0][resumed]["start_step"] == 4
+        assert_like_one_process(ranks[0][resumed], one)
     assert ranks[0]["uncut"] == ranks[1]["uncut"]
     assert "OutsideResidual cannot be cut into pipeline stages at ['blocks.2']" in ranks[0]["uncut"]
     assert "h = block(h), residual connections inside the blocks" in ranks[0]["uncut"]

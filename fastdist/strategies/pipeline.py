@@ -24,7 +24,7 @@ from fastdist.checks import check_choice, check_int, describe
 from fastdist.distributed import gather_object, get_world_size
 from fastdist.strategies.base import Strategy, Update
 from fastdist.strategies.blocks import checkpoint_blocks
-from fastdist.strategies.ddp import DDP, _to_cpu
+from fastdist.strategies.ddp import DDP, to_cpu
 from fastdist.strategies.stages import StageModule, check_cut, plan_stages
 from fastdist.strategies.topology import Topology
 
@@ -196,7 +196,8 @@ class Pipeline(Strategy):
         if any(s != shapes[0] for s in shapes):
             raise ValueError(
                 "the micro-batches of one update differ in shape, which a pipeline stage cannot "
-                "take: pad them to one length (e.g. in collate_fn)"
+                "take: pad them to one length (in collate_fn), and drop a short last batch "
+                "(drop_last=True)"
             )
         key = (len(batches), shapes[0])
         if key not in self._schedules:
@@ -277,7 +278,7 @@ class WholeOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         stage = self.optimizer.state_dict()
-        mine = {self.own[i]: _to_cpu(state) for i, state in stage["state"].items()}
+        mine = {self.own[i]: to_cpu(state) for i, state in stage["state"].items()}
         everyone = gather_object(mine, self.pipeline.group)
         if everyone is None:
             return {}

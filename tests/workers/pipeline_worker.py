@@ -4,7 +4,8 @@ Usage::
 
     pipeline_worker.py one OUT_DIR   # one process: the plain model
     pipeline_worker.py pp2 OUT_DIR   # torchrun, 2 ranks: Pipeline(stages=2), gpipe and 1f1b;
-                                     # DDP resuming the gpipe run's checkpoint
+                                     # DDP resuming the gpipe run's checkpoint, a
+                                     # pipeline resuming one's (run "one" first)
     pipeline_worker.py pp4 OUT_DIR   # torchrun, 4 ranks: 2 stages x 2 replicas (1f1b)
     pipeline_worker.py resume OUT_DIR  # torchrun --max-restarts=1, 2 ranks: rank 1 dies
                                        # after update 4 on the first attempt
@@ -178,6 +179,9 @@ def main(argv: list[str]) -> int:
         # The pipeline's checkpoint of update 4 (the end of epoch 2) resumed by DDP at 2 ranks.
         step4 = out / "gpipe" / "save" / "checkpoints" / "step-00000004.pt"
         result["ddp_resumed"] = train(DDP(), out / "ddp", update_every=2, resume=str(step4))
+        # And the one-process run's checkpoint of update 4 resumed by the pipeline.
+        plain = out.parent / "one" / "plain" / "save" / "checkpoints" / "step-00000004.pt"
+        result["from_one"] = train(Pipeline(stages=2), out / "from_one", resume=str(plain))
         result["uncut"] = refused(
             lambda: train(Pipeline(stages=2), out / "uncut", model=OutsideResidual())
         )
