@@ -92,7 +92,7 @@ def one(out: Path) -> dict[str, Any]:
 def assert_like_one_process(run: dict[str, Any], one: dict[str, Any]) -> None:
     """The parameters, the saved model, evaluation and prediction of one process (float64:
     the same sums in the same order, so equal to rounding)."""
-    assert run["steps"] == one["steps"] == 6
+    assert run["steps"] == one["steps"] == 9
     params = torch.tensor(run["params"])
     assert (params - torch.tensor(flat(Tagger()))).abs().max() > 1e-2  # it trained
     torch.testing.assert_close(params, torch.tensor(one["params"]), rtol=0, atol=1e-12)
@@ -105,8 +105,9 @@ def assert_like_one_process(run: dict[str, Any], one: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 def test_two_stages_train_one_process_model(one: dict[str, Any], out: Path) -> None:
-    """Pipeline(stages=2) with GPipe and 1F1B at 2 ranks; DDP at 2 ranks resumes the GPipe
-    run's checkpoint of update 4 (the whole model and optimizer state, gathered from the
+    """Pipeline(stages=2) with GPipe and 1F1B at 2 ranks (an epoch's last update, of one
+    micro-batch, runs GPipe); DDP at 2 ranks resumes the GPipe
+    run's checkpoint of update 3 (the whole model and optimizer state, gathered from the
     stages), and a pipeline one process's; a model whose residual connections skip its
     blocks is refused at its first update, alike on both ranks."""
     _, ranks = run_ranks(WORKER, 2, ["pp2", str(out)], out / "pp2", True, cwd=out, timeout=180)
@@ -115,7 +116,7 @@ def test_two_stages_train_one_process_model(one: dict[str, Any], out: Path) -> N
         assert ranks[1][schedule]["eval"] == ranks[0][schedule]["eval"]
         assert ranks[1][schedule]["predict"] is None  # rank 0 gets the outputs
     for resumed in ("ddp_resumed", "from_one"):
-        assert ranks[0][resumed]["start_step"] == 4
+        assert ranks[0][resumed]["start_step"] == 3
         assert_like_one_process(ranks[0][resumed], one)
     assert ranks[0]["uncut"] == ranks[1]["uncut"]
     assert "OutsideResidual cannot be cut into pipeline stages at ['blocks.2']" in ranks[0]["uncut"]
@@ -133,13 +134,13 @@ def test_two_stages_by_two_replicas(one: dict[str, Any], out: Path) -> None:
 
 @pytest.mark.slow
 def test_killed_pipeline_resumes_exactly(one: dict[str, Any], out: Path) -> None:
-    """Rank 1 (the last stage) dies after update 4; torchrun restarts both ranks, which resume
-    from update 3's checkpoint (inside epoch 2), each stage taking its part of it."""
+    """Rank 1 (the last stage) dies after update 5; torchrun restarts both ranks, which resume
+    from update 4's checkpoint (inside epoch 2), each stage taking its part of it."""
     options = ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
     command = torchrun_command(WORKER, 2, ["resume", str(out)], [*options, "--max-restarts=1"])
     (result,) = run_together([Launch(command, cwd=out)], timeout=240)
     assert result.returncode == 0, result.describe()
-    assert "resumed from" in result.output and "step-00000003" in result.output
+    assert "resumed from" in result.output and "step-00000004" in result.output
     run = json.loads((out / "resume" / "rank0.json").read_text())["resumed"]
-    assert run["start_step"] == 3
+    assert run["start_step"] == 4
     assert_like_one_process(run, one)

@@ -48,7 +48,9 @@ class Pipeline(Strategy):
     An update's ``update_every`` micro-batches are the schedule's micro-batches; their losses
     keep the trainer's weights (a ``(sum, count)`` loss divided by the update's count), the
     schedule does not divide by their number. Every micro-batch of one update must have the
-    same shapes (a new stage is set up for each new shape, e.g. a short last batch).
+    same shapes (``drop_last=True`` drops a short last batch); a new stage is set up for each
+    new shape or number of micro-batches (an epoch's short last update, which runs GPipe
+    when it has fewer micro-batches than stages).
     Checkpoints hold the whole model and optimizer state, gathered from the stages, as a plain
     or DDP run's do: any layout resumes them, and a pipeline resumes theirs.
 

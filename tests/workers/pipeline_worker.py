@@ -8,12 +8,12 @@ Usage::
                                      # pipeline resuming one's (run "one" first)
     pipeline_worker.py pp4 OUT_DIR   # torchrun, 4 ranks: 2 stages x 2 replicas (1f1b)
     pipeline_worker.py resume OUT_DIR  # torchrun --max-restarts=1, 2 ranks: rank 1 dies
-                                       # after update 4 on the first attempt
+                                       # after update 5 on the first attempt
 
 Every run trains :class:`Tagger` (float64, 4 residual blocks) on sequences of 1 to 9 real
 tokens padded to 9, with a ``(sum, count)`` token loss, AdamW, gradient clipping and a global
-batch of 16 sequences per update; then evaluates, predicts and saves the model. Writes
-``OUT_DIR/<mode>/rank<R>.json``.
+batch of 16 sequences per update (4 in an epoch's last); then evaluates, predicts and saves
+the model. Writes ``OUT_DIR/<mode>/rank<R>.json``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from workers.trainer_worker import write_json
 from fastdist import DDP, Callback, DistTrainer, LossMetric, Pipeline, get_rank
 from fastdist.callbacks import GradientClipCallback
 
-WIDTH, N_TRAIN, N_DEV = 16, 32, 13
+WIDTH, N_TRAIN, N_DEV = 16, 36, 13  # 9 micro-batches of 4: updates of 4, 4 and 1
 
 
 class Sequences(Dataset):
@@ -113,7 +113,7 @@ def flat(model: nn.Module) -> list[float]:
 
 
 def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw: Any) -> dict:
-    """Train 3 epochs (6 updates); what rank 0 holds of the results."""
+    """Train 3 epochs (9 updates); what rank 0 holds of the results."""
     model = kw.pop("model", None) or Tagger()
     die, resume = DieOnce(kw.pop("die_at", None)), kw.pop("resume", "auto")
     trainer = DistTrainer(
@@ -130,6 +130,7 @@ def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw:
         metric_key="-loss",
         dev_batch_size_per_gpu=2,
         save_path=str(out / "save"),
+        keep_checkpoints=9,  # update 3's is resumed by other layouts
         print_every=10_000,
         use_tqdm=False,
         device="cpu",
@@ -176,17 +177,17 @@ def main(argv: list[str]) -> int:
     elif mode == "pp2":
         result["gpipe"] = train(Pipeline(stages=2, schedule="gpipe"), out / "gpipe")
         result["1f1b"] = train(Pipeline(stages=2, schedule="1f1b"), out / "1f1b")
-        # The pipeline's checkpoint of update 4 (the end of epoch 2) resumed by DDP at 2 ranks.
-        step4 = out / "gpipe" / "save" / "checkpoints" / "step-00000004.pt"
-        result["ddp_resumed"] = train(DDP(), out / "ddp", update_every=2, resume=str(step4))
-        # And the one-process run's checkpoint of update 4 resumed by the pipeline.
-        plain = out.parent / "one" / "plain" / "save" / "checkpoints" / "step-00000004.pt"
+        # The pipeline's checkpoint of update 3 (the end of epoch 1) resumed by DDP at 2 ranks.
+        step3 = out / "gpipe" / "save" / "checkpoints" / "step-00000003.pt"
+        result["ddp_resumed"] = train(DDP(), out / "ddp", update_every=2, resume=str(step3))
+        # And the one-process run's checkpoint of update 3 resumed by the pipeline.
+        plain = out.parent / "one" / "plain" / "save" / "checkpoints" / "step-00000003.pt"
         result["from_one"] = train(Pipeline(stages=2), out / "from_one", resume=str(plain))
         result["uncut"] = refused(
             lambda: train(Pipeline(stages=2), out / "uncut", model=OutsideResidual())
         )
     elif mode == "resume":
-        result["resumed"] = train(Pipeline(stages=2), out / "resumed", checkpoint_every=1, die_at=4)
+        result["resumed"] = train(Pipeline(stages=2), out / "resumed", checkpoint_every=1, die_at=5)
     else:
         strategy = Pipeline(stages=2, schedule="1f1b", split=["blocks.1"])
         result["pp_dp"] = train(strategy, out / "pp_dp", update_every=2, check_sync_every=1)
