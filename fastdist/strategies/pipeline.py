@@ -21,10 +21,11 @@ from torch.utils._pytree import tree_leaves
 
 from fastdist.checkpoint import GATHERED, PER_RANK
 from fastdist.checks import check_choice, check_int, describe
-from fastdist.distributed import gather_object, get_world_size
+from fastdist.distributed import get_world_size
 from fastdist.strategies.base import Strategy, Update
 from fastdist.strategies.blocks import checkpoint_blocks
-from fastdist.strategies.ddp import DDP, to_cpu
+from fastdist.strategies.ddp import DDP
+from fastdist.strategies.pipeline_state import WholeModel, WholeOptimizer
 from fastdist.strategies.stages import StageModule, check_cut, plan_stages
 from fastdist.strategies.topology import Topology
 
@@ -253,55 +254,6 @@ class Pipeline(Strategy):
             ("optimizer", WholeOptimizer(self), GATHERED),
             ("strategy", self, PER_RANK),
         ]
-
-
-class WholeModel:
-    """The whole model's state, gathered from the stages (rank 0's saved; a collective)."""
-
-    def __init__(self, pipeline: Pipeline) -> None:
-        self.pipeline = pipeline
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.pipeline.full_state_dict() or {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.pipeline.model.load_state_dict(state)
-
-
-class WholeOptimizer:
-    """The optimizer state of the whole model, as the user's optimizer over every parameter
-    would hold it: the stages' states gathered to rank 0 (a collective), each stage loading
-    its own part back."""
-
-    def __init__(self, pipeline: Pipeline) -> None:
-        self.pipeline, self.optimizer = pipeline, pipeline.optimizer
-        self.order = [name for names in pipeline.groups for name in names]
-        self.own = [name for name in self.order if pipeline.owns(name)]
-
-    def state_dict(self) -> dict[str, Any]:
-        stage = self.optimizer.state_dict()
-        mine = {self.own[i]: to_cpu(state) for i, state in stage["state"].items()}
-        everyone = gather_object(mine, self.pipeline.group)
-        if everyone is None:
-            return {}
-        merged = {name: state for states in everyone for name, state in states.items()}
-        groups, start = [], 0
-        for group, names in zip(stage["param_groups"], self.pipeline.groups, strict=True):
-            groups.append({**group, "params": list(range(start, start + len(names)))})
-            start += len(names)
-        state = {i: merged[name] for i, name in enumerate(self.order) if name in merged}
-        return {"state": state, "param_groups": groups}
-
-    def load_state_dict(self, whole: dict[str, Any]) -> None:
-        index = {name: i for i, name in enumerate(self.order)}
-        groups, start = [], 0
-        for group, names in zip(whole["param_groups"], self.pipeline.groups, strict=True):
-            count = sum(self.pipeline.owns(name) for name in names)
-            groups.append({**group, "params": list(range(start, start + count))})
-            start += count
-        saved = whole["state"]
-        state = {j: saved[index[n]] for j, n in enumerate(self.own) if index[n] in saved}
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _check_stage_strategy(strategy: Any) -> None:
