@@ -70,12 +70,30 @@ def test_trainer_refuses_before_any_process_group() -> None:
         trainer(strategy=Pipeline(stages=2, schedule="gpipe"))
 
 
+class Nested(nn.Module):
+    """nanoGPT's layout: ``transformer`` (a ModuleDict of wte, the blocks h, ln_f), lm_head."""
+
+    def __init__(self, tied: bool = False) -> None:
+        super().__init__()
+        blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+        parts = {"wte": nn.Embedding(8, 4), "h": blocks, "ln_f": nn.LayerNorm(4)}
+        self.transformer = nn.ModuleDict(parts)
+        self.lm_head = nn.Linear(4, 8, bias=False)
+        if tied:
+            self.lm_head.weight = self.transformer.wte.weight
+
+
 def test_even_split_and_owners() -> None:
     plan = plan_stages(Tagger(), 3, None)
     assert plan.blocks == [["blocks.0", "blocks.1"], ["blocks.2"], ["blocks.3"]]
-    order = ["inp", "blocks", "out"]
-    owners = [plan.owner(n, order) for n in ("inp.weight", "blocks.2.fc.bias", "out.weight")]
+    owners = [plan.owner(n) for n in ("inp.weight", "blocks.2.fc.bias", "out.weight")]
     assert owners == [0, 1, 2]
+    nested = plan_stages(Nested(), 2, None)  # the blocks are h, not the mixed ModuleDict
+    assert nested.container == "transformer.h" and nested.starts() == ["transformer.h.2"]
+    names = ("transformer.wte.weight", "transformer.h.1.bias", "transformer.ln_f.weight")
+    assert [nested.owner(n) for n in (*names, "lm_head.weight")] == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="held by two pipeline stages: tied weights"):
+        plan_stages(Nested(tied=True), 2, None)
 
 
 @pytest.fixture(scope="module")

@@ -142,7 +142,6 @@ class Pipeline(Strategy):
         checkpoint_blocks(model, self.blocks(model), checkpointing)
         self.plan = plan_stages(model, self.stages, self.split)
         self.index = self.topology.coordinate("pp")
-        self.order = [name for name, _ in model.named_children()]
         self.stage = StageModule(model, self.plan, self.index)
         self._schedules: dict[Any, Any] = {}  # by micro-batches and shapes
         names = {id(p): name for name, p in model.named_parameters()}
@@ -179,7 +178,7 @@ class Pipeline(Strategy):
 
     def owns(self, name: str) -> bool:
         """Whether this rank's stage holds the parameter or buffer ``name``."""
-        return self.plan.owner(name, self.order) == self.index
+        return self.plan.owner(name) == self.index
 
     def forward_backward(self, update: Update) -> None:
         """Every micro-batch of the update through the schedule's ``step``."""
@@ -234,7 +233,7 @@ class Pipeline(Strategy):
         tensors = itertools.chain(self.model.named_parameters(), self.model.named_buffers())
         with torch.no_grad():
             for name, tensor in tensors:
-                owner = self.plan.owner(name, self.order)
+                owner = self.plan.owner(name)
                 dist.broadcast(tensor, src=ranks[owner], group=group)
 
     def before_evaluation(self) -> None:

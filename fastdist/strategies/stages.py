@@ -1,13 +1,15 @@
 """Cutting a model into pipeline stages by name, torchtitan's way: each stage runs a copy of
 the whole model in which the blocks of other stages are pass-throughs.
 
-The models it takes: the repeated blocks are the children of one ``nn.ModuleList`` or
-``nn.ModuleDict`` and run in order; each takes the hidden state as its first positional
-argument and returns a tensor of the same kind. Modules registered before the blocks run
-before them and belong to the first stage (embeddings), those registered after run after
-them and belong to the last (final norm, head); parameters of the model itself belong to the
-first stage. The copies share the model's parameters and buffers, so state-dict keys stay
-the model's own, and the model itself stays whole (evaluation and ``save_model`` read it).
+The models it takes: the repeated blocks are the children (of one class) of an
+``nn.ModuleList`` or ``nn.ModuleDict`` and run in order; each takes the hidden state as its
+first positional argument and returns a tensor of the same kind. Modules registered before
+the blocks (or before a module holding them, as nanoGPT's ``transformer`` holds ``h``) run
+before them and belong to the first stage (embeddings); those registered after run after
+them and belong to the last (final norm, head). A parameter two stages would use (tied
+embedding and head weights) is refused. The copies share the model's parameters and buffers,
+so state-dict keys stay the model's own, and the model itself stays whole (evaluation and
+``save_model`` read it).
 
 A stage's copy runs the model's ``forward`` on the micro-batch: on every stage but the first,
 the first block of the stage has its input replaced by the activation received from the
@@ -39,37 +41,61 @@ class PassThrough(nn.Module):
 @dataclass(frozen=True)
 class StagePlan:
     """Which stage holds what: ``blocks[s]`` are stage ``s``'s block names, in order;
-    ``container``: the name of the ``ModuleList``/``ModuleDict`` holding them."""
+    ``container``: the name of the ``ModuleList``/``ModuleDict`` holding them; ``after``: the
+    modules registered after it (or after a module holding it), which the last stage holds."""
 
     container: str
     blocks: list[list[str]]
+    after: list[str]
 
     def starts(self) -> list[str]:
         """The first block of every stage after the first (the boundaries)."""
         return [names[0] for names in self.blocks[1:]]
 
-    def owner(self, name: str, order: list[str]) -> int:
-        """The stage holding the parameter or buffer ``name``; ``order``: the model's
-        top-level children in registration order."""
+    def owner(self, name: str) -> int:
+        """The stage holding the parameter or buffer ``name``."""
         for stage, names in enumerate(self.blocks):
             if any(name.startswith(block + ".") for block in names):
                 return stage
-        child = name.split(".")[0]
-        top = self.container.split(".")[0]
-        if child in order and order.index(child) > order.index(top):
+        if any(name.startswith(module + ".") for module in self.after):
             return len(self.blocks) - 1
         return 0
 
 
 def containers(model: nn.Module) -> list[tuple[str, list[str]]]:
-    """``(name, block names)`` of the model's outermost ``ModuleList``/``ModuleDict``s."""
+    """``(name, block names)`` of the model's outermost ``ModuleList``/``ModuleDict``s of
+    repeated blocks (children of one class)."""
     found: list[tuple[str, list[str]]] = []
     for name, module in model.named_modules():
         if any(name.startswith(outer + ".") for outer, _ in found):
             continue
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and name:
-            found.append((name, [f"{name}.{child}" for child, _ in module.named_children()]))
+        children = list(module.named_children())
+        repeated = len({type(child) for _, child in children}) == 1
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and name and repeated:
+            found.append((name, [f"{name}.{child}" for child, _ in children]))
     return found
+
+
+def _plan(model: nn.Module, container: str, blocks: list[list[str]]) -> StagePlan:
+    """The plan of ``blocks``, with the modules registered after ``container``, checked for
+    parameters that two stages would share."""
+    parts, after = container.split("."), []
+    for depth, part in enumerate(parts):
+        parent = ".".join(parts[:depth])
+        names = [name for name, _ in model.get_submodule(parent).named_children()]
+        later = names[names.index(part) + 1 :]
+        after += [f"{parent}.{name}" if parent else name for name in later]
+    plan = StagePlan(container, blocks, after)
+    uses: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        uses.setdefault(id(param), []).append(name)
+    for names in uses.values():
+        if len({plan.owner(name) for name in names}) > 1:
+            raise ValueError(
+                f"{names} are one parameter, held by two pipeline stages: tied weights across "
+                "stages are not supported; untie them (e.g. give the head its own weight)"
+            )
+    return plan
 
 
 def plan_stages(model: nn.Module, stages: int, split: list[str] | None) -> StagePlan:
@@ -93,7 +119,7 @@ def plan_stages(model: nn.Module, stages: int, split: list[str] | None) -> Stage
             )
         per, extra = divmod(len(blocks), stages)
         bounds = [s * per + min(s, extra) for s in range(stages + 1)]
-        return StagePlan(container, [blocks[a:b] for a, b in itertools.pairwise(bounds)])
+        return _plan(model, container, [blocks[a:b] for a, b in itertools.pairwise(bounds)])
     return _cut_at(model, found, split)
 
 
@@ -109,7 +135,7 @@ def _cut_at(model: nn.Module, found: list[tuple[str, list[str]]], split: list[st
         if all(name in blocks for name in split):
             cuts = [0] + [blocks.index(name) for name in split] + [len(blocks)]
             if all(a < b for a, b in itertools.pairwise(cuts)):
-                return StagePlan(container, [blocks[a:b] for a, b in itertools.pairwise(cuts)])
+                return _plan(model, container, [blocks[a:b] for a, b in itertools.pairwise(cuts)])
     shown = "; ".join(f"{c}: {blocks[0]} ... {blocks[-1]}" for c, blocks in found) or "none"
     raise ValueError(
         f"Pipeline(split={split}) must name blocks of one nn.ModuleList/ModuleDict, in order, "
@@ -209,7 +235,7 @@ def check_cut(
     ``ValueError`` if the stages' output differs from the model's (the model cannot be cut).
     The last entry is the model's output."""
     stages = [StageModule(model, plan, index) for index in range(len(plan.blocks))]
-    whole = StageModule(model, StagePlan(plan.container, [sum(plan.blocks, [])]), 0)
+    whole = StageModule(model, StagePlan(plan.container, [sum(plan.blocks, [])], []), 0)
     hidden: list[Any] = []
     try:
         with torch.no_grad(), torch.random.fork_rng(_devices(model)):
