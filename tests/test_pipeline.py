@@ -15,10 +15,19 @@ import pytest
 import torch
 from launch import Launch, free_port, run_ranks, run_together, torchrun_command
 from torch import nn
-from workers.pipeline_worker import N_TRAIN, Sequences, Tagger, flat, token_loss
+from workers.pipeline_worker import (
+    N_TRAIN,
+    WIDTH,
+    HeadFirst,
+    OutsideResidual,
+    Sequences,
+    Tagger,
+    flat,
+    token_loss,
+)
 
 from fastdist import DDP, FSDP, DistTrainer, Pipeline, estimate_memory
-from fastdist.strategies.stages import plan_stages
+from fastdist.strategies.stages import check_cut, plan_stages
 
 WORKER = Path(__file__).resolve().parent / "workers" / "pipeline_worker.py"
 
@@ -94,6 +103,23 @@ def test_even_split_and_owners() -> None:
     assert [nested.owner(n) for n in (*names, "lm_head.weight")] == [0, 0, 1, 1]
     with pytest.raises(ValueError, match="held by two pipeline stages: tied weights"):
         plan_stages(Nested(tied=True), 2, None)
+
+
+def test_a_model_is_cut_only_where_its_stages_compute_its_output() -> None:
+    """check_cut, in process: the activations passed between the stages; a model whose
+    residual connections skip the blocks, or whose head is registered before the blocks (so
+    the first stage would hold it), is refused naming the fix."""
+    batch = {"x": Sequences(4).x[:4]}
+
+    def run(module: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        return module(batch["x"])
+
+    hidden = check_cut(Tagger(), plan_stages(Tagger(), 2, None), batch, run)
+    assert hidden[0].shape == (4, 9, WIDTH) and hidden[1][0].shape == (4, 9)
+    with pytest.raises(ValueError, match="cut so, it computes another output"):
+        check_cut(OutsideResidual(), plan_stages(OutsideResidual(), 2, None), batch, run)
+    with pytest.raises(ValueError, match="out runs on pipeline stage 1, but its parameters"):
+        check_cut(HeadFirst(), plan_stages(HeadFirst(), 2, None), batch, run)
 
 
 @pytest.fixture(scope="module")

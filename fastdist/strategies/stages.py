@@ -21,6 +21,7 @@ the next stage's first block and returns that block's input.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -182,7 +183,7 @@ class StageModule(nn.Module):
             self.model.get_submodule(self.next).register_forward_pre_hook(_stop)
         self.batches: list[Any] = []
         self.run: Callable[[nn.Module, Any], Any] | None = None
-        self.count = 0
+        self.count, self.live = 0, False
         self.hidden: torch.Tensor | None = None
         self.outputs: list[tuple[Any, list[Any]]] = []  # the last stage's, in pieces
 
@@ -197,6 +198,7 @@ class StageModule(nn.Module):
         batch = self.batches[self.count]
         self.count += 1
         self.hidden = received[0] if received else None
+        self.live = not received  # the stage's own part runs (from its first block on)
         try:
             output = self.run(self.model, batch)
         except Boundary as boundary:
@@ -220,6 +222,7 @@ class StageModule(nn.Module):
         return tree_unflatten([next(given) if x is _TENSOR else x for x in leaves], spec)
 
     def _receive(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        self.live = True
         return (self.hidden, *args[1:])
 
 
@@ -236,6 +239,7 @@ def check_cut(
     The last entry is the model's output."""
     stages = [StageModule(model, plan, index) for index in range(len(plan.blocks))]
     whole = StageModule(model, StagePlan(plan.container, [sum(plan.blocks, [])], []), 0)
+    foreign = [_watch(stage, index, plan) for index, stage in enumerate(stages)]
     hidden: list[Any] = []
     try:
         with torch.no_grad(), torch.random.fork_rng(_devices(model)):
@@ -247,6 +251,13 @@ def check_cut(
             expected = whole()
     except Exception as exc:
         raise ValueError(_uncut(model, plan, f"{type(exc).__name__}: {exc}")) from exc
+    for index, names in enumerate(foreign):
+        if names:
+            raise ValueError(
+                f"{names[0]} runs on pipeline stage {index}, but its parameters are another "
+                "stage's: modules registered before the blocks belong to the first stage, "
+                f"after them to the last; register {names[0]} in the order forward runs it"
+            )
     out = hidden[-1]
     same = len(out) == len(expected) and all(
         a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -255,6 +266,22 @@ def check_cut(
     if not same:
         raise ValueError(_uncut(model, plan, "cut so, it computes another output"))
     return hidden
+
+
+def _watch(stage: StageModule, index: int, plan: StagePlan) -> list[str]:
+    """The list, filled as ``stage`` runs, of the modules with parameters of another stage
+    that run in its own part (after its first block has received its input)."""
+    foreign: list[str] = []
+    for name, module in stage.model.named_modules():
+        params = [f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)]
+        if any(plan.owner(p) != index for p in params):
+            module.register_forward_pre_hook(functools.partial(_note, stage, foreign, name))
+    return foreign
+
+
+def _note(stage: StageModule, foreign: list[str], name: str, *hook_args: Any) -> None:
+    if stage.live:
+        foreign.append(name)
 
 
 def _uncut(model: nn.Module, plan: StagePlan, what: str) -> str:

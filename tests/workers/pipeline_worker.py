@@ -102,6 +102,14 @@ class DieOnce(Callback):
             os._exit(1)
 
 
+class HeadFirst(Tagger):
+    """Registers its head before its blocks, so the first stage would hold it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = self._modules.pop("blocks")  # registered again: after out
+
+
 def token_loss(output: dict, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Squared error summed over the real tokens, and their number."""
     mask = batch["mask"]
