@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
@@ -168,16 +169,16 @@ class StageModule(nn.Module):
 
     def __init__(self, model: nn.Module, plan: StagePlan, index: int) -> None:
         super().__init__()
-        shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-        self.model = copy.deepcopy(model, memo=dict(shared))
+        shared: dict[int, Any] = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+        shared.update({id(m): m for m in model.modules() if isinstance(m, FSDPModule)})
+        self.model = copy.deepcopy(model, memo=shared)  # sharded modules: the same objects
         for stage, names in enumerate(plan.blocks):
             for name in names if stage != index else ():
-                parent, _, child = name.rpartition(".")
-                self.model.get_submodule(parent).register_module(child, PassThrough())
+                _replace(self.model, name, PassThrough())
         starts = plan.starts()
         if index > 0:
-            start = self.model.get_submodule(starts[index - 1])
-            start.register_forward_pre_hook(self._receive)
+            first = starts[index - 1]
+            _replace(self.model, first, Receiver(self.model.get_submodule(first), self._take))
         self.next = starts[index] if index < len(starts) else None
         if self.next is not None:
             self.model.get_submodule(self.next).register_forward_pre_hook(_stop)
@@ -221,9 +222,26 @@ class StageModule(nn.Module):
         given = iter(tensors)
         return tree_unflatten([next(given) if x is _TENSOR else x for x in leaves], spec)
 
-    def _receive(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _take(self) -> torch.Tensor | None:
+        """The activation this stage received, for its first block."""
         self.live = True
-        return (self.hidden, *args[1:])
+        return self.hidden
+
+
+class Receiver(nn.Module):
+    """A stage's first block, fed the activation its stage received instead of its input."""
+
+    def __init__(self, block: nn.Module, take: Callable[[], torch.Tensor | None]) -> None:
+        super().__init__()
+        self.block, self.take = block, take
+
+    def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.block(self.take(), *args, **kwargs)
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    model.get_submodule(parent).register_module(child, module)
 
 
 def _stop(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -239,7 +257,8 @@ def check_cut(
     The last entry is the model's output."""
     stages = [StageModule(model, plan, index) for index in range(len(plan.blocks))]
     whole = StageModule(model, StagePlan(plan.container, [sum(plan.blocks, [])], []), 0)
-    foreign = [_watch(stage, index, plan) for index, stage in enumerate(stages)]
+    foreign: list[list[str]] = [[] for _ in stages]
+    hooks = [h for i, stage in enumerate(stages) for h in _watch(stage, i, plan, foreign[i])]
     hidden: list[Any] = []
     try:
         with torch.no_grad(), torch.random.fork_rng(_devices(model)):
@@ -251,6 +270,9 @@ def check_cut(
             expected = whole()
     except Exception as exc:
         raise ValueError(_uncut(model, plan, f"{type(exc).__name__}: {exc}")) from exc
+    finally:
+        for hook in hooks:  # sharded modules are the model's own
+            hook.remove()
     for index, names in enumerate(foreign):
         if names:
             raise ValueError(
@@ -268,15 +290,16 @@ def check_cut(
     return hidden
 
 
-def _watch(stage: StageModule, index: int, plan: StagePlan) -> list[str]:
-    """The list, filled as ``stage`` runs, of the modules with parameters of another stage
-    that run in its own part (after its first block has received its input)."""
-    foreign: list[str] = []
+def _watch(stage: StageModule, index: int, plan: StagePlan, foreign: list[str]) -> list[Any]:
+    """Hooks that list in ``foreign`` the modules with parameters of another stage that run
+    in ``stage``'s own part (from its first block on); return their handles."""
+    hooks = []
     for name, module in stage.model.named_modules():
         params = [f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)]
         if any(plan.owner(p) != index for p in params):
-            module.register_forward_pre_hook(functools.partial(_note, stage, foreign, name))
-    return foreign
+            note = functools.partial(_note, stage, foreign, name)
+            hooks.append(module.register_forward_pre_hook(note))
+    return hooks
 
 
 def _note(stage: StageModule, foreign: list[str], name: str, *hook_args: Any) -> None:
