@@ -32,6 +32,17 @@ from fastdist.strategies.stages import check_cut, plan_stages
 WORKER = Path(__file__).resolve().parent / "workers" / "pipeline_worker.py"
 
 
+class Loose(Tagger):
+    """A parameter of the model itself, which no FSDP stage would shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+
+CPU = (None, torch.device("cpu"), None)  # check()'s optimizer, device and amp
+
+
 class Flat(nn.Module):
     """No repeated blocks."""
 
@@ -47,7 +58,8 @@ class Flat(nn.Module):
         (lambda: Pipeline(schedule="interleaved-1f1b"), "hang over gloo (the CPU backend"),
         (lambda: Pipeline(stages=1), "stages must be an integer >= 2"),
         (lambda: Pipeline(stages=3, split=["blocks.2"]), "2 name(s) for stages=3, got 1"),
-        (lambda: Pipeline(stage_strategy=FSDP()), "FSDP stages, DDP's communication hooks"),
+        (lambda: Pipeline(stage_strategy=FSDP(replicate=2)), "tensor parallelism, HSDP and"),
+        (lambda: Pipeline(stage_strategy=FSDP()).check(Loose(), *CPU), "['scale'] belong to none"),
         (lambda: Pipeline(stage_strategy=DDP(comm_hook="fp16")), "stage_strategy must be DDP()"),
         (lambda: Pipeline(stages=3).degrees(4), "not a multiple of 3: launch a multiple of 3"),
         (lambda: Pipeline().check_window(1), "update_every=1 < stages=2: raise update_every"),
@@ -169,11 +181,14 @@ def test_two_stages_train_one_process_model(one: dict[str, Any], out: Path) -> N
 
 @pytest.mark.slow
 def test_two_stages_by_two_replicas(one: dict[str, Any], out: Path) -> None:
-    """4 ranks as 2 pipelines of 2 stages (split=["blocks.1"]: 1 block, then 3), DDP between
-    the replicas of each stage, whose parameters check_sync_every compares."""
+    """4 ranks as 2 pipelines of 2 stages: split=["blocks.1"] (1 block, then 3) with DDP
+    between the replicas of each stage, whose parameters check_sync_every compares; FSDP
+    stages (pp=2 x dp_shard=2), and a run resuming their checkpoint of update 3."""
     _, ranks = run_ranks(WORKER, 4, ["pp4", str(out)], out / "pp4", True, cwd=out, timeout=240)
-    assert_like_one_process(ranks[0]["pp_dp"], one)
-    assert {r["pp_dp"]["eval"]["loss"] for r in ranks} == {ranks[0]["pp_dp"]["eval"]["loss"]}
+    for run in ("pp_dp", "pp_fsdp", "fsdp_resumed"):
+        assert_like_one_process(ranks[0][run], one)
+        assert {r[run]["eval"]["loss"] for r in ranks} == {ranks[0][run]["eval"]["loss"]}
+    assert ranks[0]["fsdp_resumed"]["start_step"] == 3
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Pipeline: the model cut into stages over ``pp`` ranks, each stage replicated with DDP over
-``dp_replicate``; torch's ``PipelineStage`` and schedules run each update.
+``dp_replicate`` or sharded with FSDP over ``dp_shard``; torch's ``PipelineStage`` and
+schedules run each update.
 
 Each rank runs one stage (:mod:`~fastdist.strategies.stages`); the ranks of one pipeline see
 the same micro-batches, the loss is computed on the last stage. The whole model stays on
@@ -15,17 +16,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
 from fastdist.checkpoint import GATHERED, PER_RANK
 from fastdist.checks import check_choice, check_int, describe
-from fastdist.distributed import get_world_size
+from fastdist.distributed import broadcast_object, get_rank, get_world_size
 from fastdist.strategies.base import Strategy, Update
 from fastdist.strategies.blocks import checkpoint_blocks
 from fastdist.strategies.ddp import DDP
-from fastdist.strategies.pipeline_state import WholeModel, WholeOptimizer
+from fastdist.strategies.fsdp import FSDP, switch_parameters
+from fastdist.strategies.pipeline_state import WholeModel, WholeOptimizer, load_whole, whole
 from fastdist.strategies.stages import StageModule, check_cut, plan_stages
 from fastdist.strategies.topology import Topology
 
@@ -35,7 +39,8 @@ SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 class Pipeline(Strategy):
     """Pipeline parallelism: ``stages`` ranks each run one stage of the model, the micro-batches
     of every update flowing through them as torch's schedule orders; the ``world_size /
-    stages`` pipelines are data parallel (DDP over ``dp_replicate``).
+    stages`` pipelines are data parallel (DDP over ``dp_replicate``, or FSDP over
+    ``dp_shard``).
 
     Args:
         stages: pipeline stages, one per rank; it must divide the world size.
@@ -44,7 +49,9 @@ class Pipeline(Strategy):
             forwards, then all backwards).
         split: the first block of every stage after the first (``["layers.4"]``), blocks of
             one ``nn.ModuleList``/``nn.ModuleDict``; ``None``: that list's blocks split evenly.
-        stage_strategy: how each stage is replicated: ``DDP()`` (the default, ``None``).
+        stage_strategy: how each stage is replicated: ``DDP()`` (the default, ``None``) over
+            ``dp_replicate``, or ``FSDP()`` over ``dp_shard``: each of the stage's blocks and
+            the modules around them sharded on its own, in the model itself.
 
     An update's ``update_every`` micro-batches are the schedule's micro-batches; their losses
     keep the trainer's weights (a ``(sum, count)`` loss divided by the update's count), the
@@ -59,7 +66,12 @@ class Pipeline(Strategy):
         >>> strategy = Pipeline(stages=2, schedule="1f1b", split=None, stage_strategy=DDP())
         >>> strategy.degrees(4)  # torchrun --nproc-per-node=4: 2 pipelines of 2 stages
         {'pp': 2, 'dp_replicate': 2}
+        >>> Pipeline(stages=2, stage_strategy=FSDP()).degrees(4)  # each stage over 2 ranks
+        {'pp': 2, 'dp_shard': 2}
     """
+
+    #: A stage waits for the others' activations and gradients within its compute.
+    waits_in_compute = True
 
     def __init__(
         self,
@@ -90,14 +102,16 @@ class Pipeline(Strategy):
         self.stage_strategy = stage_strategy
 
     def degrees(self, world_size: int) -> dict[str, int]:
-        """``pp x dp_replicate``: ``stages`` ranks per pipeline, the rest its replicas."""
+        """``pp x dp_replicate`` (``pp x dp_shard`` with FSDP stages): ``stages`` ranks per
+        pipeline, the rest its replicas."""
         if world_size % self.stages:
             raise ValueError(
                 f"Pipeline(stages={self.stages}) runs one stage per rank, but the world has "
                 f"{world_size} process(es), not a multiple of {self.stages}: launch a multiple "
                 f"of {self.stages} processes, or pick stages dividing {world_size}"
             )
-        return {"pp": self.stages, "dp_replicate": world_size // self.stages}
+        data = "dp_shard" if isinstance(self.stage_strategy, FSDP) else "dp_replicate"
+        return {"pp": self.stages, data: world_size // self.stages}
 
     def check(
         self,
@@ -106,13 +120,21 @@ class Pipeline(Strategy):
         device: torch.device,
         amp: str | None,
     ) -> None:
-        self.degrees(get_world_size())
-        plan_stages(model, self.stages, self.split)
+        plan = plan_stages(model, self.stages, self.split)
+        if isinstance(self.stage_strategy, FSDP):
+            units = [unit for index in range(self.stages) for unit in plan.units(index)]
+            loose = [n for n, _ in model.named_parameters() if not n.startswith(tuple(units))]
+            if loose:
+                raise ValueError(
+                    f"FSDP stages shard the blocks and the modules around them, but {loose} "
+                    "belong to none: hold them in a submodule (e.g. an nn.Embedding)"
+                )
         if amp == "fp16":
             raise ValueError(
                 "amp='fp16' under Pipeline: the gradient scaler would skip an update on one "
                 "stage only; use amp='bf16'"
             )
+        self.degrees(get_world_size())
 
     def check_window(self, update_every: int) -> None:
         if self.schedule == "1f1b" and update_every < self.stages:
@@ -135,13 +157,22 @@ class Pipeline(Strategy):
         timeout: float | None = None,
         topology: Topology | None = None,
     ) -> torch.optim.Optimizer:
-        """Cut this rank's stage, point the optimizer at its parameters, replicate it."""
+        """Cut this rank's stage, point the optimizer at its parameters, replicate (DDP) or
+        shard (FSDP: each module of the stage on its own, in the model) it."""
         if compile:
             raise ValueError("compile=True under Pipeline is not supported yet: drop compile")
         self.attach(model, optimizer, device, group, topology)
         checkpoint_blocks(model, self.blocks(model), checkpointing)
         self.plan = plan_stages(model, self.stages, self.split)
         self.index = self.topology.coordinate("pp")
+        self.sharded = self.equal_forwards = isinstance(self.stage_strategy, FSDP)
+        if isinstance(self.stage_strategy, FSDP):
+            old_names = {id(p): name for name, p in model.named_parameters()}
+            options = self.stage_strategy.shard_options(self.topology.mesh("dp_shard"), amp)
+            for unit in self.plan.units(self.index):  # each its own root, the model as it is
+                if any(True for _ in model.get_submodule(unit).parameters()):
+                    fully_shard(model.get_submodule(unit), **options)
+            switch_parameters(optimizer, old_names, model)
         self.stage = StageModule(model, self.plan, self.index)
         self._schedules: dict[Any, Any] = {}  # by micro-batches and shapes
         names = {id(p): name for name, p in model.named_parameters()}
@@ -223,7 +254,9 @@ class Pipeline(Strategy):
         return self._schedules[key]
 
     def replicas(self, step: int) -> list[tuple[str, torch.Tensor]]:
-        """This stage's parameters, which its replicas hold copies of."""
+        """This stage's parameters, which its replicas hold copies of (none when sharded)."""
+        if self.sharded:
+            return []
         return [(n, p) for n, p in self.model.named_parameters() if self.owns(n)]
 
     def gather(self) -> None:
@@ -232,18 +265,34 @@ class Pipeline(Strategy):
         group = self.topology.mesh("pp").get_group()
         tensors = itertools.chain(self.model.named_parameters(), self.model.named_buffers())
         with torch.no_grad():
-            for name, tensor in tensors:
-                owner = self.plan.owner(name)
-                dist.broadcast(tensor, src=ranks[owner], group=group)
+            for name, tensor in tensors:  # this stage's sharded ones gathered first
+                value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                dist.broadcast(value, src=ranks[self.plan.owner(name)], group=group)
 
     def before_evaluation(self) -> None:
         """The whole model on every rank (every stage's parameters), rank 0's buffers."""
         self.gather()
         super().before_evaluation()
 
+    def after_evaluation(self) -> None:
+        """Shard this stage's modules again (a forward without backward leaves a root's
+        parameters gathered)."""
+        for module in self.model.modules() if self.sharded else ():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def full_state_dict(self) -> dict[str, Any] | None:
         self.gather()
-        return super().full_state_dict()
+        if not self.sharded:
+            return super().full_state_dict()
+        state = whole(self.model.state_dict())  # every rank: a stage's shards are gathered
+        return state if get_rank() == 0 else None
+
+    def load_full_state_dict(self, weights: dict[str, Any] | None) -> None:
+        if not self.sharded:
+            super().load_full_state_dict(weights)
+            return
+        load_whole(self.model, broadcast_object(weights, group=self.group))
 
     def checkpoint_parts(self) -> list[tuple[str, Any, str]]:
         """The whole model and optimizer state, gathered from the stages: the checkpoint of a
@@ -257,12 +306,14 @@ class Pipeline(Strategy):
 
 def _check_stage_strategy(strategy: Any) -> None:
     plain = type(strategy) is DDP and not strategy.comm_hook and not strategy.average_every
-    if strategy is None or plain:
+    sharded = type(strategy) is FSDP and strategy.tp == strategy.replicate == 1
+    if strategy is None or plain or (sharded and not strategy.cpu_offload):
         return
     raise ValueError(
         f"stage_strategy must be DDP() (optionally with bucket_cap_mb, find_unused_parameters, "
-        f"static_graph, gradient_as_bucket_view) or None, got {describe(strategy)}: FSDP stages, "
-        "DDP's communication hooks and local SGD are not supported under Pipeline yet"
+        f"static_graph, gradient_as_bucket_view), FSDP() (optionally with "
+        f"reshard_after_forward) or None, got {describe(strategy)}: DDP's communication hooks, "
+        "local SGD, tensor parallelism, HSDP and CPU offload are not supported under Pipeline yet"
     )
 
 

@@ -33,11 +33,12 @@ def resolve_strategy(strategy: Any) -> Strategy:
 
 def eval_view(model: nn.Module) -> tuple[nn.Module, bool]:
     """``(module to run, whether every rank must run equally many forwards)`` for a model
-    given as it is, possibly wrapped by DDP or sharded by FSDP (each forward a collective;
-    fastdist's tensor-parallel models are sharded too)."""
+    given as it is, possibly wrapped by DDP or sharded by FSDP, whole or in parts (a
+    pipeline's stage: each forward a collective; fastdist's tensor-parallel models are
+    sharded too)."""
     if isinstance(model, DistributedDataParallel):
         return model.module, False
-    return model, isinstance(model, FSDPModule)
+    return model, any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def model_class(model: nn.Module) -> type[nn.Module]:

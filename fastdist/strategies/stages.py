@@ -44,15 +44,24 @@ class PassThrough(nn.Module):
 class StagePlan:
     """Which stage holds what: ``blocks[s]`` are stage ``s``'s block names, in order;
     ``container``: the name of the ``ModuleList``/``ModuleDict`` holding them; ``after``: the
-    modules registered after it (or after a module holding it), which the last stage holds."""
+    modules registered after it (or after a module holding it), which the last stage holds;
+    ``before``: those registered before, the first stage's."""
 
     container: str
     blocks: list[list[str]]
     after: list[str]
+    before: list[str]
 
     def starts(self) -> list[str]:
         """The first block of every stage after the first (the boundaries)."""
         return [names[0] for names in self.blocks[1:]]
+
+    def units(self, index: int) -> list[str]:
+        """The modules holding stage ``index``'s parameters (what FSDP shards one by one)."""
+        first, last = self.before if index == 0 else [], []
+        if index == len(self.blocks) - 1:
+            last = self.after
+        return [*first, *self.blocks[index], *last]
 
     def owner(self, name: str) -> int:
         """The stage holding the parameter or buffer ``name``."""
@@ -81,13 +90,17 @@ def containers(model: nn.Module) -> list[tuple[str, list[str]]]:
 def _plan(model: nn.Module, container: str, blocks: list[list[str]]) -> StagePlan:
     """The plan of ``blocks``, with the modules registered after ``container``, checked for
     parameters that two stages would share."""
-    parts, after = container.split("."), []
+    parts, after, before = container.split("."), [], []
     for depth, part in enumerate(parts):
         parent = ".".join(parts[:depth])
-        names = [name for name, _ in model.get_submodule(parent).named_children()]
-        later = names[names.index(part) + 1 :]
-        after += [f"{parent}.{name}" if parent else name for name in later]
-    plan = StagePlan(container, blocks, after)
+        names = [
+            f"{parent}.{n}" if parent else n
+            for n, _ in model.get_submodule(parent).named_children()
+        ]
+        at = names.index(f"{parent}.{part}" if parent else part)
+        before += names[:at]
+        after += names[at + 1 :]
+    plan = StagePlan(container, blocks, after, before)
     uses: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         uses.setdefault(id(param), []).append(name)
@@ -205,7 +218,7 @@ class StageModule(nn.Module):
         except Boundary as boundary:
             return boundary.hidden
         finally:
-            self.hidden = None
+            self.hidden, self.live = None, False
         if self.next is not None:
             raise ValueError(
                 f"{type(self.model).__name__}'s forward never ran {self.next}, where a "
@@ -256,7 +269,7 @@ def check_cut(
     ``ValueError`` if the stages' output differs from the model's (the model cannot be cut).
     The last entry is the model's output."""
     stages = [StageModule(model, plan, index) for index in range(len(plan.blocks))]
-    whole = StageModule(model, StagePlan(plan.container, [sum(plan.blocks, [])], []), 0)
+    whole = StageModule(model, StagePlan(plan.container, [sum(plan.blocks, [])], [], []), 0)
     foreign: list[list[str]] = [[] for _ in stages]
     hooks = [h for i, stage in enumerate(stages) for h in _watch(stage, i, plan, foreign[i])]
     hidden: list[Any] = []

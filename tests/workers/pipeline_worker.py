@@ -6,7 +6,8 @@ Usage::
     pipeline_worker.py pp2 OUT_DIR   # torchrun, 2 ranks: Pipeline(stages=2), gpipe and 1f1b;
                                      # DDP resuming the gpipe run's checkpoint, a
                                      # pipeline resuming one's (run "one" first)
-    pipeline_worker.py pp4 OUT_DIR   # torchrun, 4 ranks: 2 stages x 2 replicas (1f1b)
+    pipeline_worker.py pp4 OUT_DIR   # torchrun, 4 ranks: 2 stages x 2 replicas (1f1b), DDP
+                                     # and FSDP stages
     pipeline_worker.py resume OUT_DIR  # torchrun --max-restarts=1, 2 ranks: rank 1 dies
                                        # after update 5 on the first attempt
 
@@ -28,7 +29,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from workers.trainer_worker import write_json
 
-from fastdist import DDP, Callback, DistTrainer, LossMetric, Pipeline, get_rank
+from fastdist import DDP, FSDP, Callback, DistTrainer, LossMetric, Pipeline, get_rank
 from fastdist.callbacks import GradientClipCallback
 
 WIDTH, N_TRAIN, N_DEV = 16, 36, 13  # 9 micro-batches of 4: updates of 4, 4 and 1
@@ -199,6 +200,12 @@ def main(argv: list[str]) -> int:
     else:
         strategy = Pipeline(stages=2, schedule="1f1b", split=["blocks.1"])
         result["pp_dp"] = train(strategy, out / "pp_dp", update_every=2, check_sync_every=1)
+        sharded = Pipeline(stages=2, stage_strategy=FSDP())
+        result["pp_fsdp"] = train(sharded, out / "pp_fsdp", update_every=2)
+        # Its checkpoint of update 3 (sharded stages' parameters and AdamW state), resumed.
+        step3 = out / "pp_fsdp" / "save" / "checkpoints" / "step-00000003.pt"
+        resumed = train(sharded, out / "fsdp_resumed", update_every=2, resume=str(step3))
+        result["fsdp_resumed"] = resumed
     write_json(out, result)
     return 0
 
