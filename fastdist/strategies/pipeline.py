@@ -167,12 +167,7 @@ class Pipeline(Strategy):
         self.index = self.topology.coordinate("pp")
         self.sharded = self.equal_forwards = isinstance(self.stage_strategy, FSDP)
         if isinstance(self.stage_strategy, FSDP):
-            old_names = {id(p): name for name, p in model.named_parameters()}
-            options = self.stage_strategy.shard_options(self.topology.mesh("dp_shard"), amp)
-            for unit in self.plan.units(self.index):  # each its own root, the model as it is
-                if any(True for _ in model.get_submodule(unit).parameters()):
-                    fully_shard(model.get_submodule(unit), **options)
-            switch_parameters(optimizer, old_names, model)
+            self._shard(self.stage_strategy, amp)
         self.stage = StageModule(model, self.plan, self.index)
         self._schedules: dict[Any, Any] = {}  # by micro-batches and shapes
         names = {id(p): name for name, p in model.named_parameters()}
@@ -184,6 +179,24 @@ class Pipeline(Strategy):
         if self.topology.size("dp_replicate") > 1:
             self.module = self._replicate(self.stage)
         return optimizer
+
+    def _shard(self, options: FSDP, amp: str | None) -> None:
+        """``fully_shard`` each module of this stage on its own (no root wrapper: the model
+        stays as it is, whole for evaluation); the optimizer pointed at the new parameters."""
+        old_names = {id(p): name for name, p in self.model.named_parameters()}
+        keywords = options.shard_options(self.topology.mesh("dp_shard"), amp)
+        for unit in self.plan.units(self.index):
+            module = self.model.get_submodule(unit)
+            if any(True for _ in module.parameters()):
+                fully_shard(module, **keywords)
+        switch_parameters(self.optimizer, old_names, self.model)
+
+    def _reshard(self) -> None:
+        """Shard this stage's modules again: a forward without backward leaves a root's
+        parameters gathered."""
+        for module in self.model.modules() if self.sharded else ():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def _replicate(self, stage: StageModule) -> DistributedDataParallel:
         """DDP over this stage's replicas, blind to the other stages' parameters."""
@@ -235,6 +248,7 @@ class Pipeline(Strategy):
         key = (len(batches), shapes[0])
         if key not in self._schedules:
             hidden = check_cut(self.model, self.plan, batches[0], update.forward)
+            self._reshard()
             stage = PipelineStage(
                 self.module,
                 self.index,
@@ -275,11 +289,7 @@ class Pipeline(Strategy):
         super().before_evaluation()
 
     def after_evaluation(self) -> None:
-        """Shard this stage's modules again (a forward without backward leaves a root's
-        parameters gathered)."""
-        for module in self.model.modules() if self.sharded else ():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        self._reshard()
 
     def full_state_dict(self) -> dict[str, Any] | None:
         self.gather()
