@@ -7,9 +7,11 @@ first positional argument and returns a tensor of the same kind. Modules registe
 the blocks (or before a module holding them, as nanoGPT's ``transformer`` holds ``h``) run
 before them and belong to the first stage (embeddings); those registered after run after
 them and belong to the last (final norm, head). A parameter two stages would use (tied
-embedding and head weights) is refused. The copies share the model's parameters and buffers,
-so state-dict keys stay the model's own, and the model itself stays whole (evaluation and
-``save_model`` read it).
+embedding and head weights) is refused, and :func:`check_cut` refuses at the first update a
+model whose stages would compute another output than the whole model, or run a module in a
+stage other than the one holding it. The copies share the model's parameters and buffers
+(and its sharded modules), so state-dict keys stay the model's own, and the model itself
+stays whole (evaluation and ``save_model`` read it).
 
 A stage's copy runs the model's ``forward`` on the micro-batch: on every stage but the first,
 the first block of the stage has its input replaced by the activation received from the
