@@ -145,27 +145,31 @@ def one(out: Path) -> dict[str, Any]:
     return ranks[0]["plain"]
 
 
-def assert_like_one_process(run: dict[str, Any], one: dict[str, Any]) -> None:
-    """The parameters, the saved model, evaluation and prediction of one process (float64:
-    the same sums in the same order, so equal to rounding)."""
+def assert_like_one_process(run: dict[str, Any], one: dict[str, Any], best: bool = False) -> None:
+    """The parameters (with ``best``: those of the best model, loaded at the end), the saved
+    and the best model, evaluation and prediction of one process (float64: the same sums in
+    the same order, so equal to rounding)."""
     assert run["steps"] == one["steps"] == 9
     params = torch.tensor(run["params"])
     assert (params - torch.tensor(flat(Tagger()))).abs().max() > 1e-2  # it trained
-    torch.testing.assert_close(params, torch.tensor(one["params"]), rtol=0, atol=1e-12)
+    expected = torch.tensor(one["best" if best else "params"])
+    torch.testing.assert_close(params, expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(torch.tensor(run["saved"]), params, rtol=0, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(run["best"]), torch.tensor(one["best"]), atol=1e-12, rtol=0
+    )
     assert run["eval"]["loss"] == pytest.approx(one["eval"]["loss"], abs=1e-12)
     preds = [[sample["pred"] for sample in r["predict"]] for r in (run, one)]
     torch.testing.assert_close(torch.tensor(preds[0]), torch.tensor(preds[1]), rtol=0, atol=1e-12)
-    assert run["best_loaded"]
 
 
 @pytest.mark.slow
 def test_two_stages_train_one_process_model(one: dict[str, Any], out: Path) -> None:
     """Pipeline(stages=2) with GPipe and 1F1B at 2 ranks (an epoch's last update, of one
-    micro-batch, runs GPipe); DDP at 2 ranks resumes the GPipe
-    run's checkpoint of update 3 (the whole model and optimizer state, gathered from the
-    stages), and a pipeline one process's; a model whose residual connections skip its
-    blocks is refused at its first update, alike on both ranks."""
+    micro-batch, runs GPipe); DDP at 2 ranks resumes the GPipe run's checkpoint of update 3
+    (the whole model and optimizer state, gathered from the stages), and a pipeline one
+    process's, ending with its best model loaded; a model whose residual connections skip
+    its blocks is refused at its first update, alike on both ranks."""
     _, ranks = run_ranks(WORKER, 2, ["pp2", str(out)], out / "pp2", True, cwd=out, timeout=180)
     for schedule in ("gpipe", "1f1b"):
         assert_like_one_process(ranks[0][schedule], one)
@@ -173,7 +177,7 @@ def test_two_stages_train_one_process_model(one: dict[str, Any], out: Path) -> N
         assert ranks[1][schedule]["predict"] is None  # rank 0 gets the outputs
     for resumed in ("ddp_resumed", "from_one"):
         assert ranks[0][resumed]["start_step"] == 3
-        assert_like_one_process(ranks[0][resumed], one)
+        assert_like_one_process(ranks[0][resumed], one, best=resumed == "from_one")
     assert ranks[0]["uncut"] == ranks[1]["uncut"]
     assert "OutsideResidual cannot be cut into pipeline stages at ['blocks.2']" in ranks[0]["uncut"]
     assert "h = block(h), residual connections inside the blocks" in ranks[0]["uncut"]
@@ -183,10 +187,11 @@ def test_two_stages_train_one_process_model(one: dict[str, Any], out: Path) -> N
 def test_two_stages_by_two_replicas(one: dict[str, Any], out: Path) -> None:
     """4 ranks as 2 pipelines of 2 stages: split=["blocks.1"] (1 block, then 3) with DDP
     between the replicas of each stage, whose parameters check_sync_every compares; FSDP
-    stages (pp=2 x dp_shard=2), and a run resuming their checkpoint of update 3."""
+    stages (pp=2 x dp_shard=2), and a run resuming their checkpoint of update 3 that ends by
+    loading its best model into the sharded stages."""
     _, ranks = run_ranks(WORKER, 4, ["pp4", str(out)], out / "pp4", True, cwd=out, timeout=240)
     for run in ("pp_dp", "pp_fsdp", "fsdp_resumed"):
-        assert_like_one_process(ranks[0][run], one)
+        assert_like_one_process(ranks[0][run], one, best=run == "fsdp_resumed")
         assert {r[run]["eval"]["loss"] for r in ranks} == {ranks[0][run]["eval"]["loss"]}
     assert ranks[0]["fsdp_resumed"]["start_step"] == 3
 

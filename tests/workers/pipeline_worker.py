@@ -144,7 +144,7 @@ def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw:
         use_tqdm=False,
         device="cpu",
         strategy=strategy,
-        load_best_model=False,
+        load_best_model=kw.pop("load_best_model", False),
         timeout=60,
         **kw,
     )
@@ -164,7 +164,7 @@ def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw:
         plain.load_state_dict(torch.load(saved, weights_only=True))
         result["saved"] = flat(plain)
         plain.load_state_dict(torch.load(trainer.best_model_path, weights_only=True))
-        result["best_loaded"] = True
+        result["best"] = flat(plain)
     return result
 
 
@@ -191,7 +191,8 @@ def main(argv: list[str]) -> int:
         result["ddp_resumed"] = train(DDP(), out / "ddp", update_every=2, resume=str(step3))
         # And the one-process run's checkpoint of update 3 resumed by the pipeline.
         plain = out.parent / "one" / "plain" / "save" / "checkpoints" / "step-00000003.pt"
-        result["from_one"] = train(Pipeline(stages=2), out / "from_one", resume=str(plain))
+        best = {"resume": str(plain), "load_best_model": True}  # ends with the best model
+        result["from_one"] = train(Pipeline(stages=2), out / "from_one", **best)
         result["uncut"] = refused(
             lambda: train(Pipeline(stages=2), out / "uncut", model=OutsideResidual())
         )
@@ -204,7 +205,8 @@ def main(argv: list[str]) -> int:
         result["pp_fsdp"] = train(sharded, out / "pp_fsdp", update_every=2)
         # Its checkpoint of update 3 (sharded stages' parameters and AdamW state), resumed.
         step3 = out / "pp_fsdp" / "save" / "checkpoints" / "step-00000003.pt"
-        resumed = train(sharded, out / "fsdp_resumed", update_every=2, resume=str(step3))
+        best = {"resume": str(step3), "load_best_model": True}  # ends with the best model
+        resumed = train(sharded, out / "fsdp_resumed", update_every=2, **best)
         result["fsdp_resumed"] = resumed
     write_json(out, result)
     return 0
