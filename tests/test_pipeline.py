@@ -40,7 +40,9 @@ class Loose(Tagger):
         self.scale = nn.Parameter(torch.ones(()))
 
 
-CPU = (None, torch.device("cpu"), None)  # check()'s optimizer, device and amp
+def checked(strategy: Pipeline, model: nn.Module) -> None:
+    """``strategy.check`` of ``model`` on the CPU, with AdamW."""
+    strategy.check(model, torch.optim.AdamW(model.parameters()), torch.device("cpu"), None)
 
 
 class Flat(nn.Module):
@@ -58,8 +60,9 @@ class Flat(nn.Module):
         (lambda: Pipeline(schedule="interleaved-1f1b"), "hang over gloo (the CPU backend"),
         (lambda: Pipeline(stages=1), "stages must be an integer >= 2"),
         (lambda: Pipeline(stages=3, split=["blocks.2"]), "2 name(s) for stages=3, got 1"),
-        (lambda: Pipeline(stage_strategy=FSDP(replicate=2)), "tensor parallelism, HSDP and"),
-        (lambda: Pipeline(stage_strategy=FSDP()).check(Loose(), *CPU), "['scale'] belong to none"),
+        (lambda: Pipeline(stage_strategy=FSDP(replicate=2)), "tensor parallelism, HSDP, CPU"),
+        (lambda: checked(Pipeline(stage_strategy=FSDP()), Loose()), "['scale'] belong to none"),
+        (lambda: Pipeline(stage_strategy=FSDP(wrap=[nn.Linear])), "FSDP's wrap (a stage shards"),
         (lambda: Pipeline(stage_strategy=DDP(comm_hook="fp16")), "stage_strategy must be DDP()"),
         (lambda: Pipeline(stages=3).degrees(4), "not a multiple of 3: launch a multiple of 3"),
         (lambda: Pipeline().check_window(1), "update_every=1 < stages=2: raise update_every"),

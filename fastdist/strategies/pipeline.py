@@ -122,6 +122,7 @@ class Pipeline(Strategy):
     ) -> None:
         plan = plan_stages(model, self.stages, self.split)
         if isinstance(self.stage_strategy, FSDP):
+            self.stage_strategy.check(model, optimizer, device, None)  # a fresh optimizer
             units = [unit for index in range(self.stages) for unit in plan.units(index)]
             loose = [n for n, _ in model.named_parameters() if not n.startswith(tuple(units))]
             if loose:
@@ -317,13 +318,14 @@ class Pipeline(Strategy):
 def _check_stage_strategy(strategy: Any) -> None:
     plain = type(strategy) is DDP and not strategy.comm_hook and not strategy.average_every
     sharded = type(strategy) is FSDP and strategy.tp == strategy.replicate == 1
-    if strategy is None or plain or (sharded and not strategy.cpu_offload):
+    if strategy is None or plain or (sharded and not strategy.cpu_offload and not strategy.wrap):
         return
     raise ValueError(
         f"stage_strategy must be DDP() (optionally with bucket_cap_mb, find_unused_parameters, "
         f"static_graph, gradient_as_bucket_view), FSDP() (optionally with "
         f"reshard_after_forward) or None, got {describe(strategy)}: DDP's communication hooks, "
-        "local SGD, tensor parallelism, HSDP and CPU offload are not supported under Pipeline yet"
+        "local SGD, tensor parallelism, HSDP, CPU offload and FSDP's wrap (a stage shards its "
+        "blocks and the modules around them) are not supported under Pipeline yet"
     )
 
 
