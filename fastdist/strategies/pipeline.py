@@ -4,8 +4,9 @@ schedules run each update.
 
 Each rank runs one stage (:mod:`~fastdist.strategies.stages`); the ranks of one pipeline see
 the same micro-batches, the loss is computed on the last stage. The whole model stays on
-every rank, only its own stage trained there: evaluation, prediction, the best model and
-``save_model`` first bring every stage's parameters to every rank of the pipeline.
+every rank (its own stage's modules sharded under FSDP), only its own stage trained there:
+evaluation, prediction, the best model and ``save_model`` first bring every stage's
+parameters to every rank of the pipeline.
 """
 
 from __future__ import annotations
@@ -316,6 +317,7 @@ class Pipeline(Strategy):
 
 
 def _check_stage_strategy(strategy: Any) -> None:
+    """Raise unless ``strategy`` is one a stage can run under (``None``: DDP())."""
     plain = type(strategy) is DDP and not strategy.comm_hook and not strategy.average_every
     sharded = type(strategy) is FSDP and strategy.tp == strategy.replicate == 1
     if strategy is None or plain or (sharded and not strategy.cpu_offload and not strategy.wrap):
