@@ -230,9 +230,11 @@ class Pipeline(Strategy):
         """Every micro-batch of the update through the schedule's ``step``."""
         batches = list(update)
         schedule = self._schedule(batches, update)
-        self.stage.model.train(self.model.training)
-        self.stage.begin(batches, update.forward)
-        self._loss = lambda output, i: update.loss(self.stage.output(i, output), batches[i])
+        stage = self.stage
+        stage.model.train(self.model.training)
+        # Each micro-batch runs in its own mode (eval for a filler); their losses in order.
+        stage.begin(batches, lambda module, batch: update.forward(module, batch, stage.count - 1))
+        self._loss = lambda output, i: update.loss(stage.output(i, output), batches[i])
         schedule.step(target=torch.arange(len(batches)), return_outputs=False)
         for _ in batches:
             update.end()

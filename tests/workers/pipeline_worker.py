@@ -33,6 +33,7 @@ from fastdist import DDP, FSDP, Callback, DistTrainer, LossMetric, Pipeline, get
 from fastdist.callbacks import GradientClipCallback
 
 WIDTH, N_TRAIN, N_DEV = 16, 36, 13  # 9 micro-batches of 4: updates of 4, 4 and 1
+UNEVEN = 33  # at 4 ranks, data shards of 17 and 16 sequences
 
 
 class Sequences(Dataset):
@@ -126,7 +127,7 @@ def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw:
     model = kw.pop("model", None) or Tagger()
     die, resume = DieOnce(kw.pop("die_at", None)), kw.pop("resume", "auto")
     trainer = DistTrainer(
-        Sequences(N_TRAIN),
+        Sequences(kw.pop("n_train", N_TRAIN)),
         model,
         optimizer=torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1),
         loss=token_loss,
@@ -183,6 +184,7 @@ def main(argv: list[str]) -> int:
     result: dict[str, Any] = {}
     if mode == "one":
         result["plain"] = train("ddp", out / "plain")
+        result["uneven"] = train("ddp", out / "uneven", n_train=UNEVEN)
     elif mode == "pp2":
         result["gpipe"] = train(Pipeline(stages=2, schedule="gpipe"), out / "gpipe")
         result["1f1b"] = train(Pipeline(stages=2, schedule="1f1b"), out / "1f1b")
@@ -201,6 +203,8 @@ def main(argv: list[str]) -> int:
     else:
         strategy = Pipeline(stages=2, schedule="1f1b", split=["blocks.1"])
         result["pp_dp"] = train(strategy, out / "pp_dp", update_every=2, check_sync_every=1)
+        # 33 sequences: data shards of 17 and 16, so the second's last update is a filler.
+        result["uneven"] = train(Pipeline(stages=2), out / "uneven", update_every=2, n_train=UNEVEN)
         sharded = Pipeline(stages=2, stage_strategy=FSDP())
         result["pp_fsdp"] = train(sharded, out / "pp_fsdp", update_every=2)
         # Its checkpoint of update 3 (sharded stages' parameters and AdamW state), resumed.
