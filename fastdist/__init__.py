@@ -29,7 +29,7 @@ from fastdist.losses import CrossEntropyLoss, Loss
 from fastdist.metrics import AccuracyMetric, ClassifyFPreRecMetric, LossMetric, Metric
 from fastdist.seed import set_seed
 from fastdist.state import TrainerState
-from fastdist.strategies import DDP, FSDP
+from fastdist.strategies import DDP, FSDP, Pipeline
 from fastdist.trainer import DistTrainer
 
 __version__ = "0.1.0"
@@ -45,6 +45,7 @@ __all__ = [
     "Loss",
     "LossMetric",
     "Metric",
+    "Pipeline",
     "TrainerState",
     "add_file",
     "all_gather_object",

@@ -140,6 +140,7 @@ def _flat_grad(params: Any) -> torch.Tensor:
 def _attach(callback: Callback, **trainer: Any) -> None:
     trainer.setdefault("precision", Precision(None, torch.device("cpu")))  # fp32: no unscaling
     trainer.setdefault("optimizer", None)
+    trainer.setdefault("topology", SimpleNamespace(stage_group=None))  # no pipeline
     callback.trainer = SimpleNamespace(**trainer)  # type: ignore[assignment]
 
 

@@ -11,6 +11,7 @@ import torch
 from workers.trainer_worker import ToyData, make_trainer, on
 
 from fastdist.callbacks import WarmupCallback
+from fastdist.checkpoint import GATHERED, REPLICATED, Checkpointer
 from fastdist.checkpoint.rng import rng_state
 from fastdist.metrics import Metric
 
@@ -132,3 +133,30 @@ def test_the_best_model_kept_in_memory_survives_a_resume(tmp_path: Path) -> None
     assert result["best_epoch"] == 1 and result["steps"] == 9
     for name, value in resumed.model.state_dict().items():
         assert torch.equal(value, best[name]), f"{name}: not the best model of epoch 1"
+
+
+class Box:
+    """A part holding one value."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, int]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.value = state["value"]
+
+
+@pytest.mark.parametrize("saved_as, read_as", [(GATHERED, REPLICATED), (REPLICATED, GATHERED)])
+def test_a_gathered_state_and_a_replicated_one_read_each_other(
+    tmp_path: Path, saved_as: str, read_as: str
+) -> None:
+    """A pipeline's whole model (gathered from its stages) is saved where a DDP run's is, so
+    either resumes the other's checkpoint."""
+    writer = Checkpointer(str(tmp_path), every=1, keep=1)
+    writer.register("model", Box(3), saved_as)
+    writer.save(1)
+    reader, box = Checkpointer(str(tmp_path), every=1, keep=1), Box(0)
+    reader.register("model", box, read_as)
+    assert reader.restore("auto") is not None and box.value == 3

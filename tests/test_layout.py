@@ -137,12 +137,13 @@ def test_no_cycle_between_packages() -> None:
     assert not both, f"packages that import each other: {both}"
 
 
-#: torch's packages that only FSDP, tensor parallelism, DCP checkpoints or compiling need
-#: (~0.7 s to import): ``import fastdist`` leaves them to the code that uses them.
+#: torch's packages that only FSDP, tensor parallelism, pipelines, DCP checkpoints or
+#: compiling need (~0.7 s to import): ``import fastdist`` leaves them to the code that uses them.
 HEAVY = (
     "torch.distributed.tensor",
     "torch.distributed.checkpoint",
     "torch.distributed.fsdp",
+    "torch.distributed.pipelining",
     "torch._dynamo",
 )
 

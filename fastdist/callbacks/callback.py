@@ -19,6 +19,13 @@ class _Precision(Protocol):
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
 
 
+class _Layout(Protocol):
+    """What callbacks read of the trainer's :class:`~fastdist.strategies.Topology`."""
+
+    @property
+    def stage_group(self) -> Any: ...
+
+
 class TrainerView(Protocol):
     """What a callback may use of the :class:`~fastdist.DistTrainer` running it."""
 
@@ -36,6 +43,9 @@ class TrainerView(Protocol):
 
     @property
     def precision(self) -> _Precision: ...
+
+    @property
+    def topology(self) -> _Layout: ...
 
     def request_stop(self) -> None: ...
 

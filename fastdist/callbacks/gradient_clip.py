@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -10,12 +11,15 @@ from fastdist.callbacks.callback import Callback
 from fastdist.distributed.norms import by_mesh, global_norm
 
 
-def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, stages: Any = None
+) -> torch.Tensor:
     """Scale the gradients so that their global 2-norm is at most ``max_norm``; return the
     norm before. As torch's ``clip_grad_norm_``, for gradients on several device meshes too
-    (FSDP with tensor parallelism): the norm is taken over every mesh, the scaling per mesh."""
+    (FSDP with tensor parallelism): the norm is taken over every mesh, the scaling per mesh;
+    ``stages``: the process group of a pipeline's stages, each holding its own gradients."""
     params = [p for p in parameters if p.grad is not None]
-    total = global_norm(p.grad for p in params if p.grad is not None)
+    total = global_norm((p.grad for p in params if p.grad is not None), stages)
     for group in by_mesh(params).values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
@@ -52,6 +56,6 @@ class GradientClipCallback(Callback):
         self.trainer.precision.unscale_(self.trainer.optimizer)  # fp16: true scale first
         params = self.parameters or list(self.trainer.model.parameters())
         if self.clip_type == "norm":
-            clip_grad_norm(params, self.clip_value)
+            clip_grad_norm(params, self.clip_value, self.trainer.topology.stage_group)
         else:
             torch.nn.utils.clip_grad_value_(params, self.clip_value)

@@ -1,6 +1,7 @@
 """Checkpoints: atomic checksummed files, DCP shards, and the checkpointer over named parts."""
 
 from fastdist.checkpoint.checkpointer import (
+    GATHERED,
     PER_RANK,
     REPLICATED,
     SHARDED,
@@ -12,6 +13,7 @@ from fastdist.checkpoint.files import atomic_save, load_checkpoint
 from fastdist.checkpoint.rng import RandomState
 
 __all__ = [
+    "GATHERED",
     "PER_RANK",
     "REPLICATED",
     "SHARDED",

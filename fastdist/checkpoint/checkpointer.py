@@ -7,6 +7,10 @@ name, with a *scope* that says where its state lives:
 * ``PER_RANK``: each rank's own (its random generators, a stream's position, PowerSGD's error
   feedback); every rank's is saved and each rank gets its own back. On another world size the
   part decides: ``load_resized(states)`` gets every saved rank's state.
+* ``GATHERED``: a whole state assembled from parts that ranks hold (a pipeline's stages):
+  ``state_dict()`` is called on every rank (it may gather, a collective) and rank 0's is
+  saved as a replicated state would be, which every rank loads; so a replicated state and a
+  gathered one read each other's checkpoints.
 * ``SHARDED``: held in shards (FSDP's DTensors); every rank writes its shards with DCP, which
   reshards them on load. ``state_dict()`` returns the state dict DCP loads into in place.
 
@@ -36,6 +40,7 @@ from fastdist.distributed import agreed, broadcast_object, gather_object, get_ra
 from fastdist.logging import logger
 
 REPLICATED, PER_RANK, SHARDED = "replicated", "per_rank", "sharded"
+GATHERED = "gathered"
 #: The layout this module writes: {"format", "world_size", "parts", "per_rank", "sharded"}
 #: (the names of the parts in the DCP shards).
 FORMAT = 2
@@ -119,14 +124,16 @@ class Checkpointer:
         """Write a checkpoint of every part (a collective); return its path on rank 0."""
         if self.dir is None:
             return None
+        whole = {p.name: p.obj.state_dict() for p in self._scoped(GATHERED)}  # every rank
         own = {p.name: p.obj.state_dict() for p in self._scoped(PER_RANK)}
         ranks = gather_object(own, self.group)  # the per-rank states, on rank 0
         content: dict[str, Any] = {}
         if ranks is not None:
+            replicated = {p.name: p.obj.state_dict() for p in self._scoped(REPLICATED)}
             content = {
                 "format": FORMAT,
                 "world_size": self.world_size,
-                "parts": {p.name: p.obj.state_dict() for p in self._scoped(REPLICATED)},
+                "parts": {**replicated, **whole},
                 "per_rank": {name: [states[name] for states in ranks] for name in own},
                 "sharded": [p.name for p in self._scoped(SHARDED)],
             }
@@ -201,7 +208,7 @@ class Checkpointer:
         checkpoint = upgrade(saved)
         for part in self.parts.values():
             self._check_saved(checkpoint, part, path)
-        for part in self._scoped(REPLICATED):
+        for part in self._scoped(REPLICATED) + self._scoped(GATHERED):
             part.obj.load_state_dict(checkpoint["parts"][part.name])
         for part in self._scoped(PER_RANK):
             states = checkpoint["per_rank"][part.name]
@@ -225,7 +232,7 @@ class Checkpointer:
             SHARDED: "sharded",
         }
         saved_in = [scope for scope, key in where.items() if part.name in checkpoint[key]]
-        if part.scope in saved_in:
+        if (REPLICATED if part.scope == GATHERED else part.scope) in saved_in:
             return
         if saved_in:
             raise ValueError(

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fastdist.distributed.dtensor import is_dtensor
 
@@ -20,14 +21,21 @@ def by_mesh(tensors: Iterable[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
     return groups
 
 
-def global_norm(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+def global_norm(tensors: Iterable[torch.Tensor], group: Any = None) -> torch.Tensor:
     """The 2-norm of all ``tensors`` together as a plain tensor: each mesh's DTensors normed
     over the whole mesh (a collective on it), plain tensors locally. torch's
-    ``get_total_norm`` takes one mesh only."""
+    ``get_total_norm`` takes one mesh only. ``group``: ranks holding other parts of the same
+    tensors (a pipeline's stages), whose norms join this one (a collective on it)."""
     norms = []
-    for group in by_mesh(tensors).values():
-        norm = torch.nn.utils.get_total_norm(group)
+    for part in by_mesh(tensors).values():
+        norm = torch.nn.utils.get_total_norm(part)
         norms.append(norm.full_tensor() if is_dtensor(norm) else norm)
     if len(norms) == 1:
-        return norms[0]
-    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        total = norms[0]
+    else:
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    if group is None:
+        return total
+    squares = total.double().square()
+    dist.all_reduce(squares, group=group)
+    return squares.sqrt().to(total.dtype)

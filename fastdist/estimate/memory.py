@@ -125,6 +125,8 @@ def estimate_memory(
     check_choice("amp", amp, tuple(_AMP))
     strategy = resolve_strategy(strategy)
     layout = Topology(strategy.degrees(world_size), 0, world_size)  # rank 0's view of it
+    if layout.size("pp") > 1:
+        raise ValueError(f"estimate_memory does not model pipeline stages yet: {strategy!r}")
     tp = layout.size("tp")
     styles = _plan(model, strategy, tp)
     sizes = _shards(model, layout.size("dp_shard"), styles, tp)

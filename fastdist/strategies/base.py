@@ -42,8 +42,10 @@ class Update(Protocol):
         the model in the mode it trains in; ``list(update)`` gives them all at once."""
         ...
 
-    def forward(self, module: nn.Module, batch: Any) -> Any:
-        """``module``'s output on the micro-batch drawn last (mixed precision, its mode)."""
+    def forward(self, module: nn.Module, batch: Any, index: int | None = None) -> Any:
+        """``module``'s output on the micro-batch drawn last, or on the update's ``index``-th
+        (a schedule runs them once all are drawn): mixed precision, the micro-batch's mode
+        (eval for a filler)."""
         ...
 
     def loss(self, output: Any, batch: Any) -> torch.Tensor:
@@ -96,6 +98,10 @@ class Strategy:
     ) -> None:
         """Raise if this strategy cannot run ``model`` on ``device`` (alike on every rank,
         before any collective)."""
+
+    def check_window(self, update_every: int) -> None:
+        """Raise if this strategy cannot run updates of ``update_every`` micro-batches (alike
+        on every rank, before any collective)."""
 
     def setup(
         self,

@@ -233,7 +233,7 @@ class PerRank:
         self.obj = obj
 
     def state_dict(self) -> Any:
-        return _to_cpu(self.obj.state_dict())
+        return to_cpu(self.obj.state_dict())
 
     def load_state_dict(self, state: Any) -> None:
         self.obj.load_state_dict(state)
@@ -243,12 +243,12 @@ class PerRank:
         self.obj.load_state_dict(states[0])
 
 
-def _to_cpu(state: Any) -> Any:
+def to_cpu(state: Any) -> Any:
     """``state`` with every tensor copied to the CPU (it is gathered to rank 0)."""
     if isinstance(state, torch.Tensor):
         return state.detach().cpu()
     if isinstance(state, dict):
-        return {k: _to_cpu(v) for k, v in state.items()}
+        return {k: to_cpu(v) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(_to_cpu(v) for v in state)
+        return type(state)(to_cpu(v) for v in state)
     return state

@@ -215,9 +215,6 @@ class FSDP(Strategy):
                 compile_blocks(model, blocks)
             return optimizer
         from torch.distributed.fsdp import (
-            CPUOffloadPolicy,
-            MixedPrecisionPolicy,
-            OffloadPolicy,
             fully_shard,
             register_fsdp_forward_method,
         )
@@ -229,14 +226,7 @@ class FSDP(Strategy):
         checkpoint_blocks(model, blocks, checkpointing)
         if compile:
             compile_blocks(model, blocks)
-        options: dict[str, Any] = {
-            "mesh": mesh,
-            "reshard_after_forward": self.reshard_after_forward,
-            "mp_policy": MixedPrecisionPolicy(
-                param_dtype=_PARAM_DTYPES[amp], reduce_dtype=torch.float32 if amp else None
-            ),
-            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
-        }
+        options = self.shard_options(mesh, amp)
         for name in blocks:
             fully_shard(model.get_submodule(name), **options)
         # Resharding the root after forward would gather its parameters again at once in
@@ -253,6 +243,19 @@ class FSDP(Strategy):
         )
         switch_parameters(optimizer, old_names, model)
         return optimizer
+
+    def shard_options(self, mesh: Any, amp: str | None) -> dict[str, Any]:
+        """``fully_shard``'s keyword arguments under these options, over ``mesh``."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        return {
+            "mesh": mesh,
+            "reshard_after_forward": self.reshard_after_forward,
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=_PARAM_DTYPES[amp], reduce_dtype=torch.float32 if amp else None
+            ),
+            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+        }
 
     def _apply_layout(self, model: nn.Module) -> Any:
         """Apply the plan on the topology's ``tp`` mesh (``tp > 1``); return the mesh FSDP

@@ -27,17 +27,18 @@ def resolve_strategy(strategy: Any) -> Strategy:
     raise ValueError(
         f"strategy must be 'ddp' (every rank holds the whole model), 'fsdp' (sharded "
         f"parameters, gradients and optimizer state) or an object of fastdist.strategies "
-        f"(DDP(...), FSDP(...)), got {strategy!r}"
+        f"(DDP(...), FSDP(...), Pipeline(...)), got {strategy!r}"
     )
 
 
 def eval_view(model: nn.Module) -> tuple[nn.Module, bool]:
     """``(module to run, whether every rank must run equally many forwards)`` for a model
-    given as it is, possibly wrapped by DDP or sharded by FSDP (each forward a collective;
-    fastdist's tensor-parallel models are sharded too)."""
+    given as it is, possibly wrapped by DDP or sharded by FSDP, whole or in parts (a
+    pipeline's stage: each forward a collective; fastdist's tensor-parallel models are
+    sharded too)."""
     if isinstance(model, DistributedDataParallel):
         return model.module, False
-    return model, is_fsdp_module(model)
+    return model, any(is_fsdp_module(module) for module in model.modules())
 
 
 def model_class(model: nn.Module) -> type[nn.Module]:

@@ -138,6 +138,16 @@ class Topology:
         return self.coordinate("pp") == self.sizes["pp"] - 1
 
     @property
+    def loss_ranks(self) -> int:
+        """How many ranks compute the loss: every rank of the last pipeline stage."""
+        return self.world_size // self.sizes["pp"]
+
+    @property
+    def stage_group(self) -> Any:
+        """The process group of this rank's pipeline (its stages); ``None`` without one."""
+        return self.mesh("pp").get_group() if self.sizes["pp"] > 1 else None
+
+    @property
     def shards_parameters(self) -> bool:
         """Whether parameters are sharded over ``dp_shard`` (a strategy that runs on it, on
         more than one process)."""

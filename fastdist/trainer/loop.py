@@ -117,7 +117,8 @@ class Loop:
         state, optimizer = self.state, self.run.optimizer
         # With fp16 the gradient scaler handles overflow itself, skipping such steps.
         skip = self.options.on_nonfinite == "skip" and self.precision.scaler is None
-        if skip and not all_finite(p.grad for p in self.model.parameters()):
+        stages = self.world.topology.stage_group  # a pipeline's stages judge together
+        if skip and not all_finite((p.grad for p in self.model.parameters()), stages):
             self._warn_skipped()
             applied = False
         else:
@@ -310,7 +311,7 @@ class Loop:
             world.data.size,
             ""
             if world.data.size == world.size
-            else " data shards (tensor-parallel peers share one)",
+            else " data shards (a pipeline's stages and tensor-parallel peers share one)",
             options.update_every,
             "unknown (a stream)" if left is None else state.total_steps,
         )

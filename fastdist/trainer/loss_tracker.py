@@ -79,18 +79,26 @@ class LossTracker:
             return self.window[0]
         return torch.stack(self.window).sum()
 
-    def normalize(self, model: nn.Module, world_size: int, group: Any) -> None:
+    def normalize(
+        self, model: nn.Module, loss_ranks: int, group: Any, everywhere: bool = False
+    ) -> None:
         """Divide the summed gradients of a ``(sum, count)`` loss by the update's global count.
 
         One all-reduce of the count per update, only for such losses: the gradient then equals
         the one-process gradient of the update's total loss over its total count, whatever the
-        sizes of the ranks' batches (DDP's mean over ranks is undone by ``world_size``).
+        sizes of the ranks' batches (DDP's mean over the ``loss_ranks`` ranks that compute the
+        loss is undone). ``everywhere``: ranks that compute no loss (a pipeline's first
+        stages) hold gradients too: every rank joins, and learns from it whether the loss
+        returns ``(sum, count)``.
         """
-        if not self.counted:
+        if not (self.counted or everywhere):
             return
-        count = torch.as_tensor(self.window_count, device=self.device)
-        total = all_reduce_sum(count.detach().double().clone(), group)
-        factor = world_size / total.clamp(min=1)
+        count = torch.as_tensor(self.window_count, device=self.device).detach().double()
+        stats = torch.stack([torch.tensor(float(self.counted), device=self.device).double(), count])
+        counted, total = all_reduce_sum(stats, group).unbind()
+        if everywhere and not counted.item():
+            return
+        factor = loss_ranks / total.clamp(min=1)
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(factor.to(p.grad.dtype))

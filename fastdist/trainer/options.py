@@ -114,6 +114,7 @@ class TrainerOptions:
         check_choice("multiprocessing_context", self.multiprocessing_context, CONTEXTS)
         check_choice("on_nonfinite", self.on_nonfinite, ("raise", "skip"))
         check_choice("best_model_format", self.best_model_format, FORMATS)
+        self.strategy.check_window(self.update_every)
         if self.on_nonfinite == "skip" and self.strategy.local_steps:
             raise ValueError(
                 "on_nonfinite='skip' needs the gradients all-reduced every update, so that every "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -12,11 +11,14 @@ from fastdist.distributed import all_gather_object
 from fastdist.distributed.norms import global_norm
 
 
-def all_finite(tensors: Iterable[torch.Tensor | None]) -> bool:
+def all_finite(tensors: Iterable[torch.Tensor | None], group: Any = None) -> bool:
     """Whether every value of ``tensors`` (``None`` entries skipped; DTensors judged over their
-    whole mesh, alike on every rank) is finite; one host read."""
+    whole mesh, alike on every rank) is finite; one host read. ``group``: a pipeline's stages,
+    which judge their parts together."""
     present = [t for t in tensors if t is not None]
-    return not present or bool(torch.isfinite(global_norm(present)).item())
+    if not present and group is None:
+        return True
+    return bool(torch.isfinite(global_norm(present, group)).item())
 
 
 def failing_ranks(failure: Any, group: Any) -> dict[int, Any]:
@@ -28,16 +30,16 @@ def failing_ranks(failure: Any, group: Any) -> dict[int, Any]:
 def check_in_sync(
     replicas: list[tuple[str, torch.Tensor]], step: int, group: Any, copies: list[list[int]]
 ) -> None:
-    """Compare a checksum of every replicated tensor (``(name, tensor)``, the same within each
-    group of ``copies``: :meth:`~fastdist.strategies.Strategy.replicas`,
+    """Compare a checksum of every replicated tensor (``(name, tensor)``, the same names within
+    each group of ``copies``: :meth:`~fastdist.strategies.Strategy.replicas`,
     :attr:`~fastdist.strategies.Topology.copies`) across ranks; raise on every rank on the
     first that differs. Nothing to compare (FSDP: one copy of each parameter): no collective."""
     if not replicas:
         return
-    sums = [float(t.detach().double().sum()) for _, t in replicas]
-    everyone = all_gather_object(sums, group)
-    for (i, (name, _)), ranks in itertools.product(enumerate(replicas), copies):
-        values = {rank: everyone[rank][i] for rank in ranks}
+    sums = {name: float(t.detach().double().sum()) for name, t in replicas}
+    everyone = all_gather_object(sums, group)  # a pipeline's stages: each its own tensors
+    for ranks, name in ((r, n) for r in copies for n in everyone[r[0]]):
+        values = {rank: everyone[rank].get(name) for rank in ranks}
         if len(set(values.values())) > 1:
             raise RuntimeError(
                 f"parameter {name!r} differs across ranks at step {step} (checksums by rank: "

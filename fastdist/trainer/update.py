@@ -76,9 +76,12 @@ class Update:
         state.is_update = self.data.ends_window(index + 1)
         state.is_filler = self.data.weights[index] == 0.0  # trains nothing
 
-    def forward(self, module: nn.Module, batch: Any) -> Any:
-        """``module``'s output on the micro-batch drawn last."""
-        with self.precision.autocast(), self._mode():
+    def forward(self, module: nn.Module, batch: Any, index: int | None = None) -> Any:
+        """``module``'s output on the micro-batch drawn last, or on the update's ``index``-th
+        (a schedule's: it runs them once all are drawn)."""
+        if index is not None:
+            self._at(self._ended + index)  # the update's first is the pass's next to end
+        with self.precision.autocast(), self._mode(module):
             return self.feed(module, batch)
 
     def loss(self, output: Any, batch: Any) -> torch.Tensor:
@@ -102,17 +105,21 @@ class Update:
         if index != state.batch_idx:
             self._at(index)
         if state.is_update:  # (sum, count) losses: divide by the update's global count
-            self.losses.normalize(self.model, self.world.size, self.world.group)
+            topology = self.world.topology
+            self.losses.normalize(
+                self.model, topology.loss_ranks, self.world.group, topology.sizes["pp"] > 1
+            )
         self.timer.backward_done(state.is_update)  # splits off the all-reduce wait
         self.callbacks.on_backward_end()
         if not state.is_update:
             self.callbacks.on_batch_end()
 
-    def _mode(self) -> contextlib.AbstractContextManager:
+    def _mode(self, module: nn.Module | None = None) -> contextlib.AbstractContextManager:
         """Train mode for a micro-batch that trains, whatever mode a callback left the model
-        in; eval mode for a filler (no batch-norm statistics, no dropout), then train mode."""
+        in; eval mode for a filler (no batch-norm statistics, no dropout), then train mode:
+        of ``module``, which runs it (a wrapper of the model, or a pipeline stage's copy)."""
         if self.state.is_filler:
-            return evaluating(self.model)
+            return evaluating(self.model if module is None else module)
         if not self.model.training:  # the root's flag: train() walks every module
             self.model.train()
         return TRAINING

@@ -1,0 +1,351 @@
+"""Pipeline: the model cut into stages over ``pp`` ranks, each stage replicated with DDP over
+``dp_replicate`` or sharded with FSDP over ``dp_shard``; torch's ``PipelineStage`` and
+schedules run each update.
+
+Each rank runs one stage (:mod:`~fastdist.strategies.stages`); the ranks of one pipeline see
+the same micro-batches, the loss is computed on the last stage. The whole model stays on
+every rank (its own stage's modules sharded under FSDP), only its own stage trained there:
+evaluation, prediction, the best model and ``save_model`` first bring every stage's
+parameters to every rank of the pipeline.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_leaves
+
+from fastdist.checkpoint import GATHERED, PER_RANK
+from fastdist.checks import check_choice, check_int, describe
+from fastdist.distributed import broadcast_object, get_rank, get_world_size
+from fastdist.distributed.dtensor import is_dtensor, is_fsdp_module
+from fastdist.strategies.base import Strategy, Update
+from fastdist.strategies.blocks import checkpoint_blocks
+from fastdist.strategies.ddp import DDP
+from fastdist.strategies.fsdp import FSDP, switch_parameters
+from fastdist.strategies.pipeline_state import WholeModel, WholeOptimizer, load_whole, whole
+from fastdist.strategies.stages import StageModule, check_cut, plan_stages
+from fastdist.strategies.topology import Topology
+
+#: The schedules offered: torch.distributed.pipelining's classes of these names.
+SCHEDULES: dict[str, str] = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+class Pipeline(Strategy):
+    """Pipeline parallelism: ``stages`` ranks each run one stage of the model, the micro-batches
+    of every update flowing through them as torch's schedule orders; the ``world_size /
+    stages`` pipelines are data parallel (DDP over ``dp_replicate``, or FSDP over
+    ``dp_shard``).
+
+    Args:
+        stages: pipeline stages, one per rank; it must divide the world size.
+        schedule: ``"1f1b"`` (one forward, one backward: activations of at most ``stages``
+            micro-batches kept; needs ``update_every >= stages``) or ``"gpipe"`` (all
+            forwards, then all backwards).
+        split: the first block of every stage after the first (``["layers.4"]``), blocks of
+            one ``nn.ModuleList``/``nn.ModuleDict``; ``None``: that list's blocks split evenly.
+        stage_strategy: how each stage is replicated: ``DDP()`` (the default, ``None``) over
+            ``dp_replicate``, or ``FSDP()`` over ``dp_shard``: each of the stage's blocks and
+            the modules around them sharded on its own, in the model itself.
+
+    An update's ``update_every`` micro-batches are the schedule's micro-batches; their losses
+    keep the trainer's weights (a ``(sum, count)`` loss divided by the update's count), the
+    schedule does not divide by their number. Every micro-batch of one update must have the
+    same shapes (``drop_last=True`` drops a short last batch); a new stage is set up for each
+    new shape or number of micro-batches (an epoch's short last update, which runs GPipe
+    when it has fewer micro-batches than stages).
+    Checkpoints hold the whole model and optimizer state, gathered from the stages, as a plain
+    or DDP run's do: any layout resumes them, and a pipeline resumes theirs.
+
+    Example:
+        >>> strategy = Pipeline(stages=2, schedule="1f1b", split=None, stage_strategy=DDP())
+        >>> strategy.degrees(4)  # torchrun --nproc-per-node=4: 2 pipelines of 2 stages
+        {'pp': 2, 'dp_replicate': 2}
+        >>> Pipeline(stages=2, stage_strategy=FSDP()).degrees(4)  # each stage over 2 ranks
+        {'pp': 2, 'dp_shard': 2}
+    """
+
+    #: A stage waits for the others' activations and gradients within its compute.
+    waits_in_compute = True
+
+    def __init__(
+        self,
+        stages: int = 2,
+        schedule: str = "1f1b",
+        split: list[str] | None = None,
+        stage_strategy: Strategy | None = None,
+    ) -> None:
+        check_int("stages", stages, minimum=2)
+        if schedule == "interleaved-1f1b":
+            raise ValueError(
+                "schedule='interleaved-1f1b' runs several stages per rank, and looped schedules "
+                "hang over gloo (the CPU backend; PiPPy #944); Pipeline runs one stage per "
+                "rank: use schedule='1f1b' or 'gpipe'"
+            )
+        check_choice("schedule", schedule, tuple(SCHEDULES))
+        if split is not None:
+            if not isinstance(split, (list, tuple)) or not all(isinstance(s, str) for s in split):
+                raise TypeError(f"split must be a list of module names or None, got {split!r}")
+            if len(split) != stages - 1:
+                raise ValueError(
+                    f"split names where each stage after the first starts: {stages - 1} "
+                    f"name(s) for stages={stages}, got {len(split)}: {list(split)}"
+                )
+        _check_stage_strategy(stage_strategy)
+        self.stages, self.schedule = stages, schedule
+        self.split = None if split is None else list(split)
+        self.stage_strategy = stage_strategy
+
+    def degrees(self, world_size: int) -> dict[str, int]:
+        """``pp x dp_replicate`` (``pp x dp_shard`` with FSDP stages): ``stages`` ranks per
+        pipeline, the rest its replicas."""
+        if world_size % self.stages:
+            raise ValueError(
+                f"Pipeline(stages={self.stages}) runs one stage per rank, but the world has "
+                f"{world_size} process(es), not a multiple of {self.stages}: launch a multiple "
+                f"of {self.stages} processes, or pick stages dividing {world_size}"
+            )
+        data = "dp_shard" if isinstance(self.stage_strategy, FSDP) else "dp_replicate"
+        return {"pp": self.stages, data: world_size // self.stages}
+
+    def check(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        amp: str | None,
+    ) -> None:
+        plan = plan_stages(model, self.stages, self.split)
+        if isinstance(self.stage_strategy, FSDP):
+            self.stage_strategy.check(model, optimizer, device, None)  # a fresh optimizer
+            units = [unit for index in range(self.stages) for unit in plan.units(index)]
+            loose = [n for n, _ in model.named_parameters() if not n.startswith(tuple(units))]
+            if loose:
+                raise ValueError(
+                    f"FSDP stages shard the blocks and the modules around them, but {loose} "
+                    "belong to none: hold them in a submodule (e.g. an nn.Embedding)"
+                )
+        if amp == "fp16":
+            raise ValueError(
+                "amp='fp16' under Pipeline: the gradient scaler would skip an update on one "
+                "stage only; use amp='bf16'"
+            )
+        self.degrees(get_world_size())
+
+    def check_window(self, update_every: int) -> None:
+        if self.schedule == "1f1b" and update_every < self.stages:
+            raise ValueError(
+                f"schedule='1f1b' needs at least as many micro-batches per update as stages, "
+                f"but update_every={update_every} < stages={self.stages}: raise update_every "
+                f"to {self.stages}, or use schedule='gpipe'"
+            )
+
+    def setup(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        group: Any,
+        amp: str | None,
+        *,
+        compile: bool = False,
+        checkpointing: int = 0,
+        timeout: float | None = None,
+        topology: Topology | None = None,
+    ) -> torch.optim.Optimizer:
+        """Cut this rank's stage, point the optimizer at its parameters, replicate (DDP) or
+        shard (FSDP: each module of the stage on its own, in the model) it."""
+        if compile:
+            raise ValueError("compile=True under Pipeline is not supported yet: drop compile")
+        self.attach(model, optimizer, device, group, topology)
+        checkpoint_blocks(model, self.blocks(model), checkpointing)
+        self.plan = plan_stages(model, self.stages, self.split)
+        self.index = self.topology.coordinate("pp")
+        self.sharded = self.equal_forwards = isinstance(self.stage_strategy, FSDP)
+        if isinstance(self.stage_strategy, FSDP):
+            self._shard(self.stage_strategy, amp)
+        self.stage = StageModule(model, self.plan, self.index)
+        self._schedules: dict[Any, Any] = {}  # by micro-batches and shapes
+        names = {id(p): name for name, p in model.named_parameters()}
+        # The user's groups by name (what a checkpoint holds), then this stage's part of them.
+        self.groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        for group_ in optimizer.param_groups:
+            group_["params"] = [p for p in group_["params"] if self.owns(names[id(p)])]
+        self.module = self.stage
+        if self.topology.size("dp_replicate") > 1:
+            self.module = self._replicate(self.stage)
+        return optimizer
+
+    def _shard(self, options: FSDP, amp: str | None) -> None:
+        """``fully_shard`` each module of this stage on its own (no root wrapper: the model
+        stays as it is, whole for evaluation); the optimizer pointed at the new parameters."""
+        from torch.distributed.fsdp import fully_shard
+
+        old_names = {id(p): name for name, p in self.model.named_parameters()}
+        keywords = options.shard_options(self.topology.mesh("dp_shard"), amp)
+        for unit in self.plan.units(self.index):
+            module = self.model.get_submodule(unit)
+            if any(True for _ in module.parameters()):
+                fully_shard(module, **keywords)
+        switch_parameters(self.optimizer, old_names, self.model)
+
+    def _reshard(self) -> None:
+        """Shard this stage's modules again: a forward without backward leaves a root's
+        parameters gathered."""
+        for module in self.model.modules() if self.sharded else ():
+            if is_fsdp_module(module):
+                module.reshard()
+
+    def _replicate(self, stage: StageModule) -> DistributedDataParallel:
+        """DDP over this stage's replicas, blind to the other stages' parameters."""
+        options = self.stage_strategy if isinstance(self.stage_strategy, DDP) else DDP()
+        others = [
+            name
+            for name, _ in itertools.chain(stage.named_parameters(), stage.named_buffers())
+            if not self.owns(name.removeprefix("model."))
+        ]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(stage, others)
+        extra: dict[str, Any] = {}
+        if options.bucket_cap_mb:
+            extra["bucket_cap_mb"] = options.bucket_cap_mb
+        return DistributedDataParallel(
+            stage,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            process_group=self.topology.mesh("dp_replicate").get_group(),
+            find_unused_parameters=options.find_unused_parameters,
+            static_graph=options.static_graph,
+            gradient_as_bucket_view=options.gradient_as_bucket_view,
+            **extra,
+        )
+
+    def owns(self, name: str) -> bool:
+        """Whether this rank's stage holds the parameter or buffer ``name``."""
+        return self.plan.owner(name) == self.index
+
+    def forward_backward(self, update: Update) -> None:
+        """Every micro-batch of the update through the schedule's ``step``."""
+        batches = list(update)
+        schedule = self._schedule(batches, update)
+        stage = self.stage
+        stage.model.train(self.model.training)
+        # Each micro-batch runs in its own mode (eval for a filler); their losses in order.
+        stage.begin(batches, lambda module, batch: update.forward(module, batch, stage.count - 1))
+        self._loss = lambda output, i: update.loss(stage.output(i, output), batches[i])
+        schedule.step(target=torch.arange(len(batches)), return_outputs=False)
+        for _ in batches:
+            update.end()
+
+    def _schedule(self, batches: list[Any], update: Update) -> Any:
+        """The schedule of updates of ``len(batches)`` micro-batches of these shapes (made at
+        the first such update: a stage of static shapes, found by running the stages)."""
+        shapes = [_shapes(batch) for batch in batches]
+        if any(s != shapes[0] for s in shapes):
+            raise ValueError(
+                "the micro-batches of one update differ in shape, which a pipeline stage cannot "
+                "take: pad them to one length (in collate_fn), and drop a short last batch "
+                "(drop_last=True)"
+            )
+        key = (len(batches), shapes[0])
+        if key not in self._schedules:
+            from torch.distributed import pipelining
+
+            hidden = check_cut(self.model, self.plan, batches[0], update.forward)
+            self._reshard()
+            stage = pipelining.PipelineStage(
+                self.module,
+                self.index,
+                self.stages,
+                self.device,
+                input_args=() if self.index == 0 else _example(hidden[self.index - 1]),
+                output_args=_example(hidden[self.index]),
+                group=self.topology.mesh("pp").get_group(),
+            )
+            name = self.schedule if len(batches) >= self.stages else "gpipe"
+            kind = getattr(pipelining, SCHEDULES[name])
+            self._schedules[key] = kind(
+                stage,
+                len(batches),
+                loss_fn=lambda out, i: self._loss(out, int(i)),
+                scale_grads=False,
+            )
+        return self._schedules[key]
+
+    def replicas(self, step: int) -> list[tuple[str, torch.Tensor]]:
+        """This stage's parameters, which its replicas hold copies of (none when sharded)."""
+        if self.sharded:
+            return []
+        return [(n, p) for n, p in self.model.named_parameters() if self.owns(n)]
+
+    def gather(self) -> None:
+        """Every stage's parameters and buffers onto every rank of its pipeline."""
+        ranks = self.topology.ranks_along(self.topology.rank, "pp")
+        group = self.topology.mesh("pp").get_group()
+        tensors = itertools.chain(self.model.named_parameters(), self.model.named_buffers())
+        with torch.no_grad():
+            for name, tensor in tensors:  # this stage's sharded ones gathered first
+                value = tensor.full_tensor() if is_dtensor(tensor) else tensor
+                dist.broadcast(value, src=ranks[self.plan.owner(name)], group=group)
+
+    def before_evaluation(self) -> None:
+        """The whole model on every rank (every stage's parameters), rank 0's buffers."""
+        self.gather()
+        super().before_evaluation()
+
+    def after_evaluation(self) -> None:
+        self._reshard()
+
+    def full_state_dict(self) -> dict[str, Any] | None:
+        self.gather()
+        if not self.sharded:
+            return super().full_state_dict()
+        state = whole(self.model.state_dict())  # every rank: a stage's shards are gathered
+        return state if get_rank() == 0 else None
+
+    def load_full_state_dict(self, weights: dict[str, Any] | None) -> None:
+        if not self.sharded:
+            super().load_full_state_dict(weights)
+            return
+        load_whole(self.model, broadcast_object(weights, group=self.group))
+
+    def checkpoint_parts(self) -> list[tuple[str, Any, str]]:
+        """The whole model and optimizer state, gathered from the stages: the checkpoint of a
+        plain or DDP run, which any layout resumes (each stage keeps its own part)."""
+        return [
+            ("model", WholeModel(self), GATHERED),
+            ("optimizer", WholeOptimizer(self), GATHERED),
+            ("strategy", self, PER_RANK),
+        ]
+
+
+def _check_stage_strategy(strategy: Any) -> None:
+    """Raise unless ``strategy`` is one a stage can run under (``None``: DDP())."""
+    plain = type(strategy) is DDP and not strategy.comm_hook and not strategy.average_every
+    sharded = type(strategy) is FSDP and strategy.tp == strategy.replicate == 1
+    if strategy is None or plain or (sharded and not strategy.cpu_offload and not strategy.wrap):
+        return
+    raise ValueError(
+        f"stage_strategy must be DDP() (optionally with bucket_cap_mb, find_unused_parameters, "
+        f"static_graph, gradient_as_bucket_view), FSDP() (optionally with "
+        f"reshard_after_forward) or None, got {describe(strategy)}: DDP's communication hooks, "
+        "local SGD, tensor parallelism, HSDP, CPU offload and FSDP's wrap (a stage shards its "
+        "blocks and the modules around them) are not supported under Pipeline yet"
+    )
+
+
+def _shapes(batch: Any) -> tuple[Any, ...]:
+    """The shapes and dtypes of the tensors of ``batch`` (dicts, lists, tuples)."""
+    leaves = tree_leaves(batch)
+    return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _example(hidden: Any) -> Any:
+    """An activation of ``hidden``'s shape as it flows in training (requiring gradients); for
+    the last stage's output (a tuple of tensors, not sent), as many placeholders."""
+    if isinstance(hidden, tuple):
+        return tuple(torch.empty(0) for _ in hidden)
+    return torch.empty_like(hidden).requires_grad_(hidden.is_floating_point())

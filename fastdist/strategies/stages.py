@@ -1,0 +1,339 @@
+"""Cutting a model into pipeline stages by name, torchtitan's way: each stage runs a copy of
+the whole model in which the blocks of other stages are pass-throughs.
+
+The models it takes: the repeated blocks are the children (of one class) of an
+``nn.ModuleList`` or ``nn.ModuleDict`` and run in order; each takes the hidden state as its
+first positional argument and returns a tensor of the same kind. Modules registered before
+the blocks (or before a module holding them, as nanoGPT's ``transformer`` holds ``h``) run
+before them and belong to the first stage (embeddings); those registered after run after
+them and belong to the last (final norm, head). A parameter two stages would use (tied
+embedding and head weights) is refused, and :func:`check_cut` refuses at the first update a
+model whose stages would compute another output than the whole model, or run a module in a
+stage other than the one holding it. The copies share the model's parameters and buffers
+(and its sharded modules), so state-dict keys stay the model's own, and the model itself
+stays whole (evaluation and ``save_model`` read it).
+
+A stage's copy runs the model's ``forward`` on the micro-batch: on every stage but the first,
+the first block of the stage has its input replaced by the activation received from the
+stage before (what runs before it on this stage, cheap non-block modules on the inputs and
+pass-throughs, is discarded); on every stage but the last, the forward stops when it reaches
+the next stage's first block and returns that block's input.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fastdist.distributed.dtensor import is_fsdp_module
+
+
+class PassThrough(nn.Module):
+    """Stands in for a block of another stage: returns its first argument."""
+
+    def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        return hidden
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which stage holds what: ``blocks[s]`` are stage ``s``'s block names, in order;
+    ``container``: the name of the ``ModuleList``/``ModuleDict`` holding them; ``after``: the
+    modules registered after it (or after a module holding it), which the last stage holds;
+    ``before``: those registered before, the first stage's."""
+
+    container: str
+    blocks: list[list[str]]
+    after: list[str]
+    before: list[str]
+
+    def starts(self) -> list[str]:
+        """The first block of every stage after the first (the boundaries)."""
+        return [names[0] for names in self.blocks[1:]]
+
+    def units(self, index: int) -> list[str]:
+        """The modules holding stage ``index``'s parameters (what FSDP shards one by one)."""
+        first, last = self.before if index == 0 else [], []
+        if index == len(self.blocks) - 1:
+            last = self.after
+        return [*first, *self.blocks[index], *last]
+
+    def owner(self, name: str) -> int:
+        """The stage holding the parameter or buffer ``name``."""
+        for stage, names in enumerate(self.blocks):
+            if any(name.startswith(block + ".") for block in names):
+                return stage
+        if any(name.startswith(module + ".") for module in self.after):
+            return len(self.blocks) - 1
+        return 0
+
+
+def containers(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """``(name, block names)`` of the model's outermost ``ModuleList``/``ModuleDict``s of
+    repeated blocks (children of one class)."""
+    found: list[tuple[str, list[str]]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(outer + ".") for outer, _ in found):
+            continue
+        children = list(module.named_children())
+        repeated = len({type(child) for _, child in children}) == 1
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and name and repeated:
+            found.append((name, [f"{name}.{child}" for child, _ in children]))
+    return found
+
+
+def _plan(model: nn.Module, container: str, blocks: list[list[str]]) -> StagePlan:
+    """The plan of ``blocks``, with the modules registered after ``container``, checked for
+    parameters that two stages would share."""
+    parts, after, before = container.split("."), [], []
+    for depth, part in enumerate(parts):
+        parent = ".".join(parts[:depth])
+        names = [
+            f"{parent}.{n}" if parent else n
+            for n, _ in model.get_submodule(parent).named_children()
+        ]
+        at = names.index(f"{parent}.{part}" if parent else part)
+        before += names[:at]
+        after += names[at + 1 :]
+    plan = StagePlan(container, blocks, after, before)
+    uses: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        uses.setdefault(id(param), []).append(name)
+    for names in uses.values():
+        if len({plan.owner(name) for name in names}) > 1:
+            raise ValueError(
+                f"{names} are one parameter, held by two pipeline stages: tied weights across "
+                "stages are not supported; untie them (e.g. give the head its own weight)"
+            )
+    return plan
+
+
+def plan_stages(model: nn.Module, stages: int, split: list[str] | None) -> StagePlan:
+    """The blocks of each of ``stages`` stages: cut at ``split`` (the first block of every
+    stage after the first), or evenly over the model's largest list of blocks. Raise a
+    ``ValueError`` naming the fix if the model cannot be cut so."""
+    found = containers(model)
+    cls = type(model).__name__
+    if split is None:
+        if not found:
+            raise ValueError(
+                f"Pipeline(split=None) splits the model's repeated blocks evenly, but {cls} "
+                "holds none: put its layers in an nn.ModuleList (or nn.ModuleDict), or pass "
+                "split=['name.of.a.module', ...] naming where each stage after the first starts"
+            )
+        container, blocks = max(found, key=lambda item: len(item[1]))
+        if len(blocks) < stages:
+            raise ValueError(
+                f"Pipeline(stages={stages}) needs at least {stages} blocks, but {cls}'s "
+                f"{container} holds {len(blocks)}: use fewer stages"
+            )
+        per, extra = divmod(len(blocks), stages)
+        bounds = [s * per + min(s, extra) for s in range(stages + 1)]
+        return _plan(model, container, [blocks[a:b] for a, b in itertools.pairwise(bounds)])
+    return _cut_at(model, found, split)
+
+
+def _cut_at(model: nn.Module, found: list[tuple[str, list[str]]], split: list[str]) -> StagePlan:
+    names = dict(model.named_modules())
+    missing = [name for name in split if name not in names]
+    if missing:
+        raise ValueError(
+            f"Pipeline(split={split}) names {missing}, which {type(model).__name__} does not "
+            "contain: name modules of model.named_modules(), e.g. 'layers.4'"
+        )
+    for container, blocks in found:
+        if all(name in blocks for name in split):
+            cuts = [0] + [blocks.index(name) for name in split] + [len(blocks)]
+            if all(a < b for a, b in itertools.pairwise(cuts)):
+                return _plan(model, container, [blocks[a:b] for a, b in itertools.pairwise(cuts)])
+    shown = "; ".join(f"{c}: {blocks[0]} ... {blocks[-1]}" for c, blocks in found) or "none"
+    raise ValueError(
+        f"Pipeline(split={split}) must name blocks of one nn.ModuleList/ModuleDict, in order, "
+        f"after its first block (each the first block of a stage); the model's blocks: {shown}"
+    )
+
+
+#: Where a tensor was among the leaves of the model's output.
+_TENSOR = object()
+
+
+class Boundary(Exception):
+    """Raised by the next stage's first block to end this stage's forward with its input."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__("pipeline stage boundary")
+        self.hidden = hidden
+
+
+class StageModule(nn.Module):
+    """One stage of ``model`` (see the module's docs), fed the micro-batches of the update
+    :meth:`begin` names, one per forward, in order.
+
+    Args:
+        model: the whole model; the copy shares its parameters and buffers.
+        plan: the stages.
+        index: which stage this is.
+    """
+
+    def __init__(self, model: nn.Module, plan: StagePlan, index: int) -> None:
+        super().__init__()
+        shared: dict[int, Any] = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+        shared.update({id(m): m for m in model.modules() if is_fsdp_module(m)})
+        self.model = copy.deepcopy(model, memo=shared)  # sharded modules: the same objects
+        for stage, names in enumerate(plan.blocks):
+            for name in names if stage != index else ():
+                _replace(self.model, name, PassThrough())
+        starts = plan.starts()
+        if index > 0:
+            first = starts[index - 1]
+            _replace(self.model, first, Receiver(self.model.get_submodule(first), self._take))
+        self.next = starts[index] if index < len(starts) else None
+        if self.next is not None:
+            self.model.get_submodule(self.next).register_forward_pre_hook(_stop)
+        self.batches: list[Any] = []
+        self.run: Callable[[nn.Module, Any], Any] | None = None
+        self.count, self.live = 0, False
+        self.hidden: torch.Tensor | None = None
+        self.outputs: list[tuple[Any, list[Any]]] = []  # the last stage's, in pieces
+
+    def begin(self, batches: list[Any], run: Callable[[nn.Module, Any], Any]) -> None:
+        """The next forwards are those of ``batches``, each run as ``run(module, batch)``."""
+        self.batches, self.run, self.count, self.outputs = batches, run, 0, []
+
+    def forward(self, *received: torch.Tensor) -> Any:
+        """The activation for the next stage; on the last stage, the tensors of the model's
+        output (:meth:`output` puts them together again)."""
+        assert self.run is not None, "StageModule.begin() names the micro-batches"
+        batch = self.batches[self.count]
+        self.count += 1
+        self.hidden = received[0] if received else None
+        self.live = not received  # the stage's own part runs (from its first block on)
+        try:
+            output = self.run(self.model, batch)
+        except Boundary as boundary:
+            return boundary.hidden
+        finally:
+            self.hidden, self.live = None, False
+        if self.next is not None:
+            raise ValueError(
+                f"{type(self.model).__name__}'s forward never ran {self.next}, where a "
+                "pipeline stage starts: split the model at blocks its forward runs"
+            )
+        leaves, spec = tree_flatten(output)
+        self.outputs.append((spec, [_TENSOR if torch.is_tensor(x) else x for x in leaves]))
+        return tuple(x for x in leaves if torch.is_tensor(x))
+
+    def output(self, index: int, tensors: tuple[torch.Tensor, ...]) -> Any:
+        """The model's output of micro-batch ``index`` from the tensors :meth:`forward`
+        returned (a schedule passes on tensors only)."""
+        spec, leaves = self.outputs[index]
+        given = iter(tensors)
+        return tree_unflatten([next(given) if x is _TENSOR else x for x in leaves], spec)
+
+    def _take(self) -> torch.Tensor | None:
+        """The activation this stage received, for its first block."""
+        self.live = True
+        return self.hidden
+
+
+class Receiver(nn.Module):
+    """A stage's first block, fed the activation its stage received instead of its input."""
+
+    def __init__(self, block: nn.Module, take: Callable[[], torch.Tensor | None]) -> None:
+        super().__init__()
+        self.block, self.take = block, take
+
+    def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.block(self.take(), *args, **kwargs)
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    model.get_submodule(parent).register_module(child, module)
+
+
+def _stop(module: nn.Module, args: tuple[Any, ...]) -> None:
+    raise Boundary(args[0])
+
+
+def check_cut(
+    model: nn.Module, plan: StagePlan, batch: Any, run: Callable[[nn.Module, Any], Any]
+) -> list[torch.Tensor]:
+    """Run ``batch`` through every stage in turn and through the whole model, in eval mode
+    without gradients; return the activations passed between the stages. Raise a
+    ``ValueError`` if the stages' output differs from the model's (the model cannot be cut).
+    The last entry is the model's output."""
+    stages = [StageModule(model, plan, index) for index in range(len(plan.blocks))]
+    whole = StageModule(model, StagePlan(plan.container, [sum(plan.blocks, [])], [], []), 0)
+    foreign: list[list[str]] = [[] for _ in stages]
+    hooks = [h for i, stage in enumerate(stages) for h in _watch(stage, i, plan, foreign[i])]
+    hidden: list[Any] = []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(_devices(model)):
+            for stage in [*stages, whole]:
+                stage.eval()
+                stage.begin([batch], run)
+            for stage in stages:
+                hidden.append(stage(*hidden[-1:]))
+            expected = whole()
+    except Exception as exc:
+        raise ValueError(_uncut(model, plan, f"{type(exc).__name__}: {exc}")) from exc
+    finally:
+        for hook in hooks:  # sharded modules are the model's own
+            hook.remove()
+    for index, names in enumerate(foreign):
+        if names:
+            raise ValueError(
+                f"{names[0]} runs on pipeline stage {index}, but its parameters are another "
+                "stage's: modules registered before the blocks belong to the first stage, "
+                f"after them to the last; register {names[0]} in the order forward runs it"
+            )
+    out = hidden[-1]
+    same = len(out) == len(expected) and all(
+        a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+        for a, b in zip(out, expected, strict=True)
+    )
+    if not same:
+        raise ValueError(_uncut(model, plan, "cut so, it computes another output"))
+    return hidden
+
+
+def _watch(stage: StageModule, index: int, plan: StagePlan, foreign: list[str]) -> list[Any]:
+    """Hooks that list in ``foreign`` the modules with parameters of another stage that run
+    in ``stage``'s own part (from its first block on); return their handles."""
+    hooks = []
+    for name, module in stage.model.named_modules():
+        params = [f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)]
+        if any(plan.owner(p) != index for p in params):
+            note = functools.partial(_note, stage, foreign, name)
+            hooks.append(module.register_forward_pre_hook(note))
+    return hooks
+
+
+def _note(stage: StageModule, foreign: list[str], name: str, *hook_args: Any) -> None:
+    if stage.live:
+        foreign.append(name)
+
+
+def _uncut(model: nn.Module, plan: StagePlan, what: str) -> str:
+    """Why ``model`` cannot be cut into stages at the plan's boundaries, and the fix."""
+    return (
+        f"{type(model).__name__} cannot be cut into pipeline stages at {plan.starts()} "
+        f"({what}): its "
+        "forward must run the blocks in order and hand each block's output only to the next "
+        "block (h = block(h), residual connections inside the blocks, as transformer layers "
+        "do), computing nothing after a block from values before it but the inputs"
+    )
+
+
+def _devices(model: nn.Module) -> list[torch.device]:
+    """The CUDA devices of ``model``'s parameters (whose random generators are forked)."""
+    return list({p.device for p in model.parameters() if p.device.type == "cuda"})

@@ -1,0 +1,215 @@
+"""``Pipeline`` (pipeline stages, each replicated with DDP): bad input refused in process, and
+real worlds of 1, 2 and 4 ranks (tests/workers/pipeline_worker.py) that must reach one
+process's parameters (float64, AdamW, gradient clipping, a ``(sum, count)`` token loss on
+sequences of uneven lengths, update_every=4), evaluate and predict as it does, save a model
+that loads strictly into the plain one, resume exactly after a rank dies, and write
+checkpoints that DDP resumes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launch import Launch, free_port, run_ranks, run_together, torchrun_command
+from torch import nn
+from workers.pipeline_worker import (
+    N_TRAIN,
+    WIDTH,
+    HeadFirst,
+    OutsideResidual,
+    Sequences,
+    Tagger,
+    flat,
+    token_loss,
+)
+
+from fastdist import DDP, FSDP, DistTrainer, Pipeline, estimate_memory
+from fastdist.strategies.stages import check_cut, plan_stages
+
+WORKER = Path(__file__).resolve().parent / "workers" / "pipeline_worker.py"
+
+
+class Loose(Tagger):
+    """A parameter of the model itself, which no FSDP stage would shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+
+def checked(strategy: Pipeline, model: nn.Module) -> None:
+    """``strategy.check`` of ``model`` on the CPU, with AdamW."""
+    strategy.check(model, torch.optim.AdamW(model.parameters()), torch.device("cpu"), None)
+
+
+class Flat(nn.Module):
+    """No repeated blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: Pipeline(schedule="zero-bubble"), "schedule must be one of 'gpipe', '1f1b'"),
+        (lambda: Pipeline(schedule="interleaved-1f1b"), "hang over gloo (the CPU backend"),
+        (lambda: Pipeline(stages=1), "stages must be an integer >= 2"),
+        (lambda: Pipeline(stages=3, split=["blocks.2"]), "2 name(s) for stages=3, got 1"),
+        (lambda: Pipeline(stage_strategy=FSDP(replicate=2)), "tensor parallelism, HSDP, CPU"),
+        (lambda: checked(Pipeline(stage_strategy=FSDP()), Loose()), "['scale'] belong to none"),
+        (lambda: Pipeline(stage_strategy=FSDP(wrap=[nn.Linear])), "FSDP's wrap (a stage shards"),
+        (lambda: Pipeline(stage_strategy=DDP(comm_hook="fp16")), "stage_strategy must be DDP()"),
+        (lambda: Pipeline(stages=3).degrees(4), "not a multiple of 3: launch a multiple of 3"),
+        (lambda: Pipeline().check_window(1), "update_every=1 < stages=2: raise update_every"),
+        (lambda: plan_stages(Tagger(), 2, ["blocks.9"]), "names ['blocks.9'], which Tagger"),
+        (lambda: plan_stages(Tagger(), 2, ["inp"]), "must name blocks of one nn.ModuleList"),
+        (lambda: plan_stages(Tagger(), 2, ["blocks.0"]), "blocks: blocks: blocks.0 ... blocks.3"),
+        (lambda: plan_stages(Tagger(), 5, None), "needs at least 5 blocks"),
+        (lambda: plan_stages(Flat(), 2, None), "put its layers in an nn.ModuleList"),
+        (lambda: estimate_memory(Tagger(), None, None, Pipeline(), 2), "pipeline stages yet"),
+    ],
+)
+def test_bad_pipelines_are_refused(make: Any, words: str) -> None:
+    with pytest.raises((ValueError, TypeError)) as caught:
+        make()
+    assert words in str(caught.value)
+
+
+def test_trainer_refuses_before_any_process_group() -> None:
+    """The checks DistTrainer runs alike on every rank: a window too short for 1F1B, a world
+    that the stages do not divide (here one process)."""
+    model = Tagger()
+
+    def trainer(**options: Any) -> None:
+        DistTrainer(Sequences(N_TRAIN), model, loss=token_loss, device="cpu", **options)
+
+    with pytest.raises(ValueError, match="schedule='1f1b' needs at least as many micro-batch"):
+        trainer(strategy=Pipeline(stages=2), update_every=1)
+    with pytest.raises(ValueError, match=r"Pipeline\(stages=2\) runs one stage per rank"):
+        trainer(strategy=Pipeline(stages=2, schedule="gpipe"))
+
+
+class Nested(nn.Module):
+    """nanoGPT's layout: ``transformer`` (a ModuleDict of wte, the blocks h, ln_f), lm_head."""
+
+    def __init__(self, tied: bool = False) -> None:
+        super().__init__()
+        blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+        parts = {"wte": nn.Embedding(8, 4), "h": blocks, "ln_f": nn.LayerNorm(4)}
+        self.transformer = nn.ModuleDict(parts)
+        self.lm_head = nn.Linear(4, 8, bias=False)
+        if tied:
+            self.lm_head.weight = self.transformer.wte.weight
+
+
+def test_even_split_and_owners() -> None:
+    plan = plan_stages(Tagger(), 3, None)
+    assert plan.blocks == [["blocks.0", "blocks.1"], ["blocks.2"], ["blocks.3"]]
+    owners = [plan.owner(n) for n in ("inp.weight", "blocks.2.fc.bias", "out.weight")]
+    assert owners == [0, 1, 2]
+    nested = plan_stages(Nested(), 2, None)  # the blocks are h, not the mixed ModuleDict
+    assert nested.container == "transformer.h" and nested.starts() == ["transformer.h.2"]
+    names = ("transformer.wte.weight", "transformer.h.1.bias", "transformer.ln_f.weight")
+    assert [nested.owner(n) for n in (*names, "lm_head.weight")] == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="held by two pipeline stages: tied weights"):
+        plan_stages(Nested(tied=True), 2, None)
+
+
+def test_a_model_is_cut_only_where_its_stages_compute_its_output() -> None:
+    """check_cut, in process: the activations passed between the stages; a model whose
+    residual connections skip the blocks, or whose head is registered before the blocks (so
+    the first stage would hold it), is refused naming the fix."""
+    batch = {"x": Sequences(4).x[:4]}
+
+    def run(module: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        return module(batch["x"])
+
+    hidden = check_cut(Tagger(), plan_stages(Tagger(), 2, None), batch, run)
+    assert hidden[0].shape == (4, 9, WIDTH) and hidden[1][0].shape == (4, 9)
+    with pytest.raises(ValueError, match="cut so, it computes another output"):
+        check_cut(OutsideResidual(), plan_stages(OutsideResidual(), 2, None), batch, run)
+    with pytest.raises(ValueError, match="out runs on pipeline stage 1, but its parameters"):
+        check_cut(HeadFirst(), plan_stages(HeadFirst(), 2, None), batch, run)
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("pipeline")
+
+
+@pytest.fixture(scope="module")
+def one(out: Path) -> dict[str, Any]:
+    _, ranks = run_ranks(WORKER, 1, ["one", str(out)], out / "one", False, cwd=out)
+    return ranks[0]
+
+
+def assert_like_one_process(run: dict[str, Any], one: dict[str, Any], best: bool = False) -> None:
+    """The parameters (with ``best``: those of the best model, loaded at the end), the saved
+    and the best model, evaluation and prediction of one process (float64: the same sums in
+    the same order, so equal to rounding)."""
+    assert run["steps"] == one["steps"] == 9
+    params = torch.tensor(run["params"])
+    assert (params - torch.tensor(flat(Tagger()))).abs().max() > 1e-2  # it trained
+    expected = torch.tensor(one["best" if best else "params"])
+    torch.testing.assert_close(params, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.tensor(run["saved"]), params, rtol=0, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(run["best"]), torch.tensor(one["best"]), atol=1e-12, rtol=0
+    )
+    assert run["eval"]["loss"] == pytest.approx(one["eval"]["loss"], abs=1e-12)
+    preds = [[sample["pred"] for sample in r["predict"]] for r in (run, one)]
+    torch.testing.assert_close(torch.tensor(preds[0]), torch.tensor(preds[1]), rtol=0, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_two_stages_train_one_process_model(one: dict[str, Any], out: Path) -> None:
+    """Pipeline(stages=2) with GPipe and 1F1B at 2 ranks (an epoch's last update, of one
+    micro-batch, runs GPipe); DDP at 2 ranks resumes the GPipe run's checkpoint of update 3
+    (the whole model and optimizer state, gathered from the stages), and a pipeline one
+    process's, ending with its best model loaded; a model whose residual connections skip
+    its blocks is refused at its first update, alike on both ranks."""
+    _, ranks = run_ranks(WORKER, 2, ["pp2", str(out)], out / "pp2", True, cwd=out, timeout=180)
+    for schedule in ("gpipe", "1f1b"):
+        assert_like_one_process(ranks[0][schedule], one["plain"])
+        assert ranks[1][schedule]["eval"] == ranks[0][schedule]["eval"]
+        assert ranks[1][schedule]["predict"] is None  # rank 0 gets the outputs
+    for resumed in ("ddp_resumed", "from_one"):
+        assert ranks[0][resumed]["start_step"] == 3
+        assert_like_one_process(ranks[0][resumed], one["plain"], best=resumed == "from_one")
+    assert ranks[0]["uncut"] == ranks[1]["uncut"]
+    assert "OutsideResidual cannot be cut into pipeline stages at ['blocks.2']" in ranks[0]["uncut"]
+    assert "h = block(h), residual connections inside the blocks" in ranks[0]["uncut"]
+
+
+@pytest.mark.slow
+def test_two_stages_by_two_replicas(one: dict[str, Any], out: Path) -> None:
+    """4 ranks as 2 pipelines of 2 stages: split=["blocks.1"] (1 block, then 3) with DDP
+    between the replicas of each stage, whose parameters check_sync_every compares; FSDP
+    stages (pp=2 x dp_shard=2), and a run resuming their checkpoint of update 3 that ends by
+    loading its best model into the sharded stages; data shards of 17 and 16 sequences, the
+    second's last micro-batch a filler (it weighs nothing)."""
+    _, ranks = run_ranks(WORKER, 4, ["pp4", str(out)], out / "pp4", True, cwd=out, timeout=240)
+    for run in ("pp_dp", "pp_fsdp", "fsdp_resumed"):
+        assert_like_one_process(ranks[0][run], one["plain"], best=run == "fsdp_resumed")
+        assert {r[run]["eval"]["loss"] for r in ranks} == {ranks[0][run]["eval"]["loss"]}
+    assert ranks[0]["fsdp_resumed"]["start_step"] == 3
+    assert_like_one_process(ranks[0]["uneven"], one["uneven"])  # with a filler micro-batch
+
+
+@pytest.mark.slow
+def test_killed_pipeline_resumes_exactly(one: dict[str, Any], out: Path) -> None:
+    """Rank 1 (the last stage) dies after update 5; torchrun restarts both ranks, which resume
+    from update 4's checkpoint (inside epoch 2), each stage taking its part of it."""
+    options = ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+    command = torchrun_command(WORKER, 2, ["resume", str(out)], [*options, "--max-restarts=1"])
+    (result,) = run_together([Launch(command, cwd=out)], timeout=240)
+    assert result.returncode == 0, result.describe()
+    assert "resumed from" in result.output and "step-00000004" in result.output
+    run = json.loads((out / "resume" / "rank0.json").read_text())["resumed"]
+    assert run["start_step"] == 4
+    assert_like_one_process(run, one["plain"])

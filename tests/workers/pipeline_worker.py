@@ -1,0 +1,220 @@
+"""Worker for tests/test_pipeline.py: ``Pipeline`` against one process.
+
+Usage::
+
+    pipeline_worker.py one OUT_DIR   # one process: the plain model
+    pipeline_worker.py pp2 OUT_DIR   # torchrun, 2 ranks: Pipeline(stages=2), gpipe and 1f1b;
+                                     # DDP resuming the gpipe run's checkpoint, a
+                                     # pipeline resuming one's (run "one" first)
+    pipeline_worker.py pp4 OUT_DIR   # torchrun, 4 ranks: 2 stages x 2 replicas (1f1b), DDP
+                                     # and FSDP stages
+    pipeline_worker.py resume OUT_DIR  # torchrun --max-restarts=1, 2 ranks: rank 1 dies
+                                       # after update 5 on the first attempt
+
+Every run trains :class:`Tagger` (float64, 4 residual blocks) on sequences of 1 to 9 real
+tokens padded to 9, with a ``(sum, count)`` token loss, AdamW, gradient clipping and a global
+batch of 16 sequences per update (4 in an epoch's last); then evaluates, predicts and saves
+the model. Writes ``OUT_DIR/<mode>/rank<R>.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from workers.trainer_worker import write_json
+
+from fastdist import DDP, FSDP, Callback, DistTrainer, LossMetric, Pipeline, get_rank
+from fastdist.callbacks import GradientClipCallback
+
+WIDTH, N_TRAIN, N_DEV = 16, 36, 13  # 9 micro-batches of 4: updates of 4, 4 and 1
+UNEVEN = 33  # at 4 ranks, data shards of 17 and 16 sequences
+
+
+class Sequences(Dataset):
+    """``n`` sequences of 9 positions, 1 to 9 of them real (``mask``)."""
+
+    def __init__(self, n: int, seed: int = 3) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.lengths = torch.randint(1, 10, (n,), generator=g).tolist()
+        self.x = torch.randn(n, 9, 3, generator=g, dtype=torch.float64)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        mask = torch.arange(9) < self.lengths[i]
+        return {"x": self.x[i], "mask": mask, "target": self.x[i].sum(-1).tanh() * mask}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH, dtype=torch.float64)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.fc(h))
+
+
+class Tagger(nn.Module):
+    """An input projection, 4 residual blocks (an ``nn.ModuleList``), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(3, WIDTH, dtype=torch.float64)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.out = nn.Linear(WIDTH, 1, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return {"pred": self.out(h).squeeze(-1)}
+
+
+class OutsideResidual(Tagger):
+    """Its residual connections skip the blocks: it cannot be cut into stages."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return {"pred": self.out(h).squeeze(-1)}
+
+
+class DieOnce(Callback):
+    """Rank 1 dies after update ``at`` on the first attempt (``None``: never); the step each
+    attempt starts at is kept."""
+
+    def __init__(self, at: int | None) -> None:
+        self.at = at
+
+    def on_train_begin(self) -> None:
+        self.start_step = self.trainer.state.global_step
+
+    def on_step_end(self) -> None:
+        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first and get_rank() == 1 and self.trainer.state.global_step == self.at:
+            os._exit(1)
+
+
+class HeadFirst(Tagger):
+    """Registers its head before its blocks, so the first stage would hold it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = self._modules.pop("blocks")  # registered again: after out
+
+
+def token_loss(output: dict, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared error summed over the real tokens, and their number."""
+    mask = batch["mask"]
+    return ((output["pred"] - batch["target"]) ** 2 * mask).sum(), mask.sum()
+
+
+def flat(model: nn.Module) -> list[float]:
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+
+
+def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw: Any) -> dict:
+    """Train 3 epochs (9 updates); what rank 0 holds of the results."""
+    model = kw.pop("model", None) or Tagger()
+    die, resume = DieOnce(kw.pop("die_at", None)), kw.pop("resume", "auto")
+    trainer = DistTrainer(
+        Sequences(kw.pop("n_train", N_TRAIN)),
+        model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1),
+        loss=token_loss,
+        callbacks_all=[GradientClipCallback(clip_value=0.5), die],
+        batch_size_per_gpu=batch,
+        update_every=update_every,
+        n_epochs=3,
+        dev_data=Sequences(N_DEV, seed=4),
+        metrics=[LossMetric(nn.MSELoss(), pred="pred", target="target")],
+        metric_key="-loss",
+        dev_batch_size_per_gpu=2,
+        save_path=str(out / "save"),
+        keep_checkpoints=9,  # update 3's is resumed by other layouts
+        print_every=10_000,
+        use_tqdm=False,
+        device="cpu",
+        strategy=strategy,
+        load_best_model=kw.pop("load_best_model", False),
+        timeout=60,
+        **kw,
+    )
+    summary = trainer.train(resume)
+    result: dict[str, Any] = {
+        "steps": summary["steps"],
+        "start_step": die.start_step,
+        "eval": trainer.evaluate(),
+        "predict": trainer.predict(Sequences(N_DEV, seed=4)),
+    }
+    saved = trainer.save_model(out / "model.pt")
+    full = trainer.strategy.full_state_dict()
+    if full is not None:
+        plain = Tagger()
+        plain.load_state_dict(full)  # strict: every key of the plain model, no other
+        result["params"] = flat(plain)
+        plain.load_state_dict(torch.load(saved, weights_only=True))
+        result["saved"] = flat(plain)
+        plain.load_state_dict(torch.load(trainer.best_model_path, weights_only=True))
+        result["best"] = flat(plain)
+    return result
+
+
+def refused(make: Any) -> str:
+    """The error of a run that must be refused (``""``: none)."""
+    try:
+        make()
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def main(argv: list[str]) -> int:
+    mode, out = argv[1], Path(argv[2]) / argv[1]
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {}
+    if mode == "one":
+        result["plain"] = train("ddp", out / "plain")
+        result["uneven"] = train("ddp", out / "uneven", n_train=UNEVEN)
+    elif mode == "pp2":
+        result["gpipe"] = train(Pipeline(stages=2, schedule="gpipe"), out / "gpipe")
+        result["1f1b"] = train(Pipeline(stages=2, schedule="1f1b"), out / "1f1b")
+        # The pipeline's checkpoint of update 3 (the end of epoch 1) resumed by DDP at 2 ranks.
+        step3 = out / "gpipe" / "save" / "checkpoints" / "step-00000003.pt"
+        result["ddp_resumed"] = train(DDP(), out / "ddp", update_every=2, resume=str(step3))
+        # And the one-process run's checkpoint of update 3 resumed by the pipeline.
+        plain = out.parent / "one" / "plain" / "save" / "checkpoints" / "step-00000003.pt"
+        best = {"resume": str(plain), "load_best_model": True}  # ends with the best model
+        result["from_one"] = train(Pipeline(stages=2), out / "from_one", **best)
+        result["uncut"] = refused(
+            lambda: train(Pipeline(stages=2), out / "uncut", model=OutsideResidual())
+        )
+    elif mode == "resume":
+        result["resumed"] = train(Pipeline(stages=2), out / "resumed", checkpoint_every=1, die_at=5)
+    else:
+        strategy = Pipeline(stages=2, schedule="1f1b", split=["blocks.1"])
+        result["pp_dp"] = train(strategy, out / "pp_dp", update_every=2, check_sync_every=1)
+        # 33 sequences: data shards of 17 and 16, so the second's last update is a filler.
+        result["uneven"] = train(Pipeline(stages=2), out / "uneven", update_every=2, n_train=UNEVEN)
+        sharded = Pipeline(stages=2, stage_strategy=FSDP())
+        result["pp_fsdp"] = train(sharded, out / "pp_fsdp", update_every=2)
+        # Its checkpoint of update 3 (sharded stages' parameters and AdamW state), resumed.
+        step3 = out / "pp_fsdp" / "save" / "checkpoints" / "step-00000003.pt"
+        best = {"resume": str(step3), "load_best_model": True}  # ends with the best model
+        resumed = train(sharded, out / "fsdp_resumed", update_every=2, **best)
+        result["fsdp_resumed"] = resumed
+    write_json(out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
