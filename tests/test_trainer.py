@@ -268,7 +268,8 @@ def test_best_model(world: World, mode: str) -> None:
     entries = list((world.out / "save-rank0").iterdir())
     files = [f for f in entries if f.suffix == ".pt"]  # besides checkpoints/ and log.jsonl
     assert [f.name for f in files] == [Path(runs[0]["best_model_path"]).name], entries
-    assert {f.name for f in entries if f.is_file()} == {files[0].name, "log.jsonl"}
+    kept = {files[0].name, "log.jsonl", ".fastdist.lock"}  # the lock file stays: see checkpoints
+    assert {f.name for f in entries if f.is_file()} == kept
     assert {f.name for f in entries if f.is_dir()} == {"checkpoints"}
     assert re.fullmatch(r"best_ToyNet_score_[\d-]+\.pt", files[0].name)
     saved = torch.load(files[0], weights_only=True)

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from workers.ending import exit_now
 from workers.resume_worker import IdLog, build_trainer, flat_params, write_json
 from workers.trainer_worker import ToyData
 
@@ -87,4 +88,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_now(main(sys.argv))

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from workers.ending import exit_now
 from workers.estimate_worker import held, training_peak
 from workers.trainer_worker import CLASSES, DIM, ToyData, write_json
 
@@ -163,4 +164,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_now(main(sys.argv))

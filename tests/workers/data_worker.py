@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from token_loss_worker import Sequences, Tagger, token_loss
 from trainer_worker import SampleIds, flat_params, make_trainer, write_json
+from workers.ending import exit_now
 
 from fastdist import Callback, DistTrainer, get_world_size
 from fastdist.data import TokenBatchSampler
@@ -141,4 +142,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_now(main(sys.argv))

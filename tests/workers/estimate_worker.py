@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
+from workers.ending import exit_now
 from workers.trainer_worker import write_json
 
 from fastdist import CrossEntropyLoss, DistTrainer, estimate_memory
@@ -264,4 +265,4 @@ def setup() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_now(main(sys.argv))

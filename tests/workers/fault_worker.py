@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Sampler, TensorDataset
+from workers.ending import exit_now
 
 import fastdist
 from fastdist import DistTrainer, get_rank
@@ -162,3 +163,4 @@ def main(case: str, out: Path) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]))
+    exit_now()

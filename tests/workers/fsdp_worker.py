@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from workers.ending import exit_now
 from workers.trainer_worker import CLASSES, DIM, ToyData, write_json
 
 from fastdist import AccuracyMetric, Callback, CrossEntropyLoss, DistTrainer, LossMetric, get_rank
@@ -155,4 +156,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_now(main(sys.argv))

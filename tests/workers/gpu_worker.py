@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import sys
 
+from workers.ending import exit_now
+
 if len(sys.argv) > 1 and sys.argv[1] == "auto-own-gpu":  # before CUDA starts: see the docstring
     _visible = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0,1").split(",")
     os.environ["CUDA_VISIBLE_DEVICES"] = _visible[int(os.environ.get("LOCAL_RANK", "0"))]
@@ -177,4 +179,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_now(main(sys.argv))

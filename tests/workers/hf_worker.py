@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from workers.ending import exit_now
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded
 
 import torch
@@ -230,3 +232,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    exit_now()

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
+from workers.ending import exit_now
 
 import fastdist
 from fastdist import AccuracyMetric, CrossEntropyLoss, DistTrainer
@@ -73,3 +74,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 from json_log_worker import Linear, dataset
+from workers.ending import exit_now
 
 import fastdist
 from fastdist import AccuracyMetric, CrossEntropyLoss, DistTrainer
@@ -152,3 +153,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

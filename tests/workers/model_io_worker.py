@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from workers.ending import exit_now
 from workers.tp_worker import PLAN, flat, trainer
 from workers.trainer_worker import ToyData, write_json
 
@@ -103,3 +104,4 @@ def main(mode: str, out: Path) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]))
+    exit_now()

@@ -12,6 +12,7 @@ import sys
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
+from workers.ending import exit_now
 
 import fastdist
 from fastdist import DistTrainer, logger
@@ -42,3 +43,4 @@ def main(out_file: str, save_path: str | None) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
+    exit_now()

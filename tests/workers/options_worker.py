@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
+from workers.ending import exit_now
 
 import fastdist
 from fastdist import DDP, AccuracyMetric, DistTrainer
@@ -58,3 +59,4 @@ if __name__ == "__main__":
     results = {name: train(options) for name, options in VARIANTS.items()}
     if fastdist.get_rank() == 0:
         (Path(sys.argv[1]) / "options.json").write_text(json.dumps(results))
+    exit_now()

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import Dataset
+from workers.ending import exit_now
 from workers.trainer_worker import write_json
 
 from fastdist import DDP, FSDP, Callback, DistTrainer, LossMetric, Pipeline, get_rank
@@ -217,4 +218,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_now(main(sys.argv))

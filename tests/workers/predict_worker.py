@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 from trainer_worker import ToyData, ToyNet, make_trainer, write_json
+from workers.ending import exit_now
 
 from fastdist import AccuracyMetric, CrossEntropyLoss
 from fastdist.data.feed import make_forward
@@ -244,4 +245,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_now(main(sys.argv))

@@ -37,6 +37,7 @@ from typing import IO, Any, NamedTuple
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from workers.ending import exit_now
 from workers.trainer_worker import CLASSES, DIM, ToyData
 
 from fastdist import DDP, Callback, CrossEntropyLoss, DistTrainer, get_rank
@@ -275,4 +276,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_now(main(sys.argv))
+    exit_now()

@@ -15,6 +15,7 @@ import torch
 from data_worker import StopAt, _resume_pair
 from torch.utils.data import IterableDataset, get_worker_info
 from trainer_worker import SampleIds, ToyData, flat_params, make_trainer, write_json
+from workers.ending import exit_now
 
 from fastdist import AccuracyMetric, Callback, DistTrainer, get_rank, get_world_size
 from fastdist.data import ShardedStream
@@ -252,4 +253,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_now(main(sys.argv))

@@ -20,6 +20,7 @@ from typing import Any
 
 from torch.utils.data import default_collate
 from trainer_worker import BATCH, CommCounter, make_trainer, warnings_logged
+from workers.ending import exit_now
 
 from fastdist.callbacks import ProfilerCallback
 from fastdist.distributed import get_rank, get_world_size
@@ -96,3 +97,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

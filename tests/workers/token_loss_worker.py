@@ -12,6 +12,7 @@ import sys
 import torch
 from torch import nn
 from torch.utils.data import Dataset
+from workers.ending import exit_now
 
 import fastdist
 from fastdist import DistTrainer
@@ -68,3 +69,4 @@ def main(out: str, update_every: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]))
+    exit_now()

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
+from workers.ending import exit_now
 from workers.fsdp_worker import BlockNet
 from workers.trainer_worker import ToyData, write_json
 
@@ -148,4 +149,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_now(main(sys.argv))

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from workers import estimate_worker
+from workers.ending import exit_now
 from workers.fsdp_worker import BlockNet
 from workers.trainer_worker import ToyData, write_json
 
@@ -224,4 +225,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_now(main(sys.argv))

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
+from workers.ending import exit_now
 
 from fastdist import DDP, AccuracyMetric, Callback, CrossEntropyLoss, DistTrainer, Metric
 from fastdist.callbacks import EarlyStopCallback, FitlogCallback
@@ -603,4 +604,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_now(main(sys.argv))
