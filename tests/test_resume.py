@@ -33,6 +33,8 @@ from launch import (
 )
 from workers.resume_worker import N_SAMPLES, build_trainer
 
+from fastdist import Callback
+
 WORKER = Path(__file__).resolve().parent / "workers" / "resume_worker.py"
 CHECKPOINT_WORKER = WORKER.with_name("checkpoint_worker.py")
 CONFIGS = "plain,accumulate,epoch-lr,fsdp,fsdp-exact,powersgd,local-sgd"  # resume_worker.CONFIGS
@@ -440,7 +442,8 @@ def test_checkpoint_with_pickled_code_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """resume=<path> raises instead of running the payload; in the checkpoint directory, with a
-    valid manifest entry, it is skipped with a warning and training starts afresh."""
+    valid manifest entry, resume="auto" skips it with a warning and, finding no other, raises
+    rather than start afresh over it (that run would overwrite step-00000005.pt)."""
     marker = tmp_path / "code-ran"
     evil = tmp_path / "evil.pt"
     torch.save({"format": 1, "model": _Payload(marker)}, evil)
@@ -457,12 +460,33 @@ def test_checkpoint_with_pickled_code_is_refused(
     entry = {"file": "step-00000005.pt", "crc32": zlib.crc32(evil.read_bytes()), "step": 5}
     (checkpoints / "manifest.json").write_text(json.dumps([entry]))
     capsys.readouterr()
-    result = build_trainer("plain", save_path).train()  # resume="auto"
+    with pytest.raises(ValueError, match=r"none of the 1 checkpoint\(s\) of .* can be resumed"):
+        build_trainer("plain", save_path).train()  # resume="auto"
     err = capsys.readouterr().err
     assert f"skipping checkpoint {checkpoints / 'step-00000005.pt'}: " in err, err
-    assert "resumed from" not in err
-    assert result["steps"] == 2 * N_SAMPLES // 4, "a fresh run on one process"
+    assert (checkpoints / "step-00000005.pt").read_bytes() == evil.read_bytes(), "kept as it was"
     assert not marker.exists()
 
     torch.load(evil, weights_only=False)  # the payload is live: unsafe loading runs it
     assert marker.is_dir()
+
+
+class _KeepsAPath(Callback):
+    """A callback whose state holds a ``Path``: weights-only loading refuses it."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cache": Path("/tmp/cache")}
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_a_state_that_would_not_load_back_is_refused_before_it_is_written(
+    tmp_path: Path,
+) -> None:
+    """Written, every resume would skip it (and, with no other checkpoint, find none): the
+    first checkpoint raises instead, naming the callback and the type, and writes nothing."""
+    trainer = build_trainer("plain", tmp_path, callbacks=[_KeepsAPath()])
+    with pytest.raises(
+        TypeError, match=r"\['_KeepsAPath#0'\]\['cache'\]: pathlib.PosixPath is not"
+    ):
+        trainer.train()
+    assert not list((tmp_path / "checkpoints").glob("step-*")), "nothing written"

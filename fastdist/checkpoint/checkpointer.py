@@ -34,6 +34,7 @@ from fastdist.checkpoint.files import (
     checkpoint_write_failure,
 )
 from fastdist.checkpoint.format1 import upgrade
+from fastdist.checkpoint.loadable import unloadable
 from fastdist.checkpoint.resume import choose
 from fastdist.checkpoint.sharded import load_shards, publish, write_shards
 from fastdist.distributed import agreed, broadcast_object, gather_object, get_rank, get_world_size
@@ -137,6 +138,10 @@ class Checkpointer:
                 "per_rank": {name: [states[name] for states in ranks] for name in own},
                 "sharded": [p.name for p in self._scoped(SHARDED)],
             }
+        problem = unloadable(content) if ranks is not None else None  # rank 0's content
+        problem = broadcast_object(problem, group=self.group)
+        if problem is not None:  # nothing written; every rank raises alike
+            raise TypeError(problem)
         sharded = {p.name: p.obj.state_dict() for p in self._scoped(SHARDED)}
         directory, path = self.dir, None
         if sharded:

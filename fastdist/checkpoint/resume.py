@@ -56,14 +56,16 @@ def choose(
 ) -> tuple[dict[str, Any], str, bool] | None:
     """The checkpoint ``train(resume=...)`` continues from, loaded (its rest; the shards stay
     on disk), its path and whether it is a rollback (newer checkpoints of the directory were
-    set aside); ``None`` to start afresh. A collective of every rank. With ``"auto"``, rank 0
-    first calls ``fetch`` (if any) on the directory."""
+    set aside); ``None`` to start afresh (no checkpoint, or ``resume=False``). A collective of
+    every rank, which raise alike where checkpoints are and none can be resumed. With
+    ``"auto"``, rank 0 first calls ``fetch`` (if any) on the directory."""
     rank, world_size = get_rank(), get_world_size()
     plan = _plan_or_error(resume, directory, fetch) if rank == 0 else None
     plan = broadcast_object(plan, group=group)
     if plan.error is not None:
         kind, message = plan.error
         raise _ERRORS.get(kind, RuntimeError)(message)
+    newest = None
     for candidate in plan.candidates:
         problem, checkpoint = _verify(candidate, rank, world_size)
         problem = next((p for p in all_gather_object(problem, group) if p is not None), None)
@@ -74,6 +76,9 @@ def choose(
             raise ValueError(_cannot_resume(candidate.path, problem))
         if rank == 0:
             logger.warning("skipping checkpoint %s: %s", candidate.path, problem)
+        newest = newest or (candidate.path, problem)
+    if newest is not None:  # a fresh start would prune them, and overwrite their names
+        raise ValueError(_none_resumes(len(plan.candidates), *newest))
     return None
 
 
@@ -185,6 +190,15 @@ def _check_may_start(directory: CheckpointDir, path: str | None) -> bool:
         held = directory.held()
     directory.adopt(held)  # it continues the newest: the directory's checkpoints are its own
     return bool(newer)
+
+
+def _none_resumes(count: int, newest: str, problem: str) -> str:
+    return (
+        f"resume='auto': none of the {count} checkpoint(s) of {os.path.dirname(newest)} can "
+        f"be resumed (the newest, {newest}: {problem}); they are left as they are, and training "
+        "does not start afresh over them: repair or move them, or train with another "
+        "save_path/checkpoint_dir"
+    )
 
 
 def _cannot_resume(path: str, problem: str) -> str:
