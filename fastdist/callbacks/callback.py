@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from fastdist.distributed.collectives import rank_zero_first
 from fastdist.distributed.guard import no_collectives
 from fastdist.logging import logger
 from fastdist.state import OptionsView, TrainerState
@@ -198,8 +199,13 @@ class CallbackList:
         for cb in self.callbacks:
             cb.trainer = trainer
 
-    def _call(self, hook: str, *args: Any) -> None:
+    def _call(self, hook: str, *args: Any, master: bool | None = None) -> None:
+        """Run ``hook`` of the callbacks (``master``: of ``callbacks_master`` only, or of
+        ``callbacks_all`` only; ``None``: of both, in order)."""
+        masters = {id(cb) for cb in self.callbacks_master}
         for cb, where, guarded in self.hooks[hook]:
+            if master is not None and (id(cb) in masters) != master:
+                continue
             self.current = where
             if guarded:
                 with no_collectives(f"callbacks_master hook {where}"):
@@ -209,7 +215,12 @@ class CallbackList:
         self.current = None
 
     def on_train_begin(self) -> None:
-        self._call("on_train_begin")
+        """``callbacks_all``'s on every rank, then ``callbacks_master``'s on rank 0 while the
+        other ranks wait on the rendezvous store, not in a collective: a master hook that takes
+        long (a logger opening its tracking store) does not run out the trainer's ``timeout``."""
+        self._call("on_train_begin", master=False)
+        with rank_zero_first(local=False, what="callbacks_master's on_train_begin"):
+            self._call("on_train_begin", master=True)
 
     def on_epoch_begin(self) -> None:
         self._call("on_epoch_begin")

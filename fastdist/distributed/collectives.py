@@ -43,7 +43,9 @@ _rank_zero_first_calls = itertools.count()
 
 
 @contextlib.contextmanager
-def rank_zero_first(local: bool = True, log_every: float = 30.0) -> Iterator[None]:
+def rank_zero_first(
+    local: bool = True, log_every: float = 30.0, what: str = "rank_zero_first"
+) -> Iterator[None]:
     """Run the block on rank 0 first while the other ranks wait, then on the others.
 
     The usual use is data preparation: rank 0 downloads or builds a cache, the others read it.
@@ -56,6 +58,7 @@ def rank_zero_first(local: bool = True, log_every: float = 30.0) -> Iterator[Non
         local: let local rank 0 of every node go first (a cache on node-local disk);
             ``False`` lets only global rank 0 go first (a cache on a shared filesystem).
         log_every: seconds between "waiting for rank 0" lines on the waiting ranks.
+        what: the block's name in those lines and in the error of a failed block.
 
     Example:
         >>> with rank_zero_first():  # rank 0 first, then the others (reading its cache)
@@ -70,7 +73,7 @@ def rank_zero_first(local: bool = True, log_every: float = 30.0) -> Iterator[Non
     key = f"fastdist/rank_zero_first/{call}/{get_node_rank() if local else 'all'}"
     store = dist.distributed_c10d._get_default_store()  # the rendezvous store
     if not first:
-        _wait_for_key(store, key, who, log_every)
+        _wait_for_key(store, key, who, log_every, what)
         yield
         return
     try:
@@ -81,18 +84,16 @@ def rank_zero_first(local: bool = True, log_every: float = 30.0) -> Iterator[Non
     store.set(key, "done")
 
 
-def _wait_for_key(store: Any, key: str, who: str, log_every: float) -> None:
+def _wait_for_key(store: Any, key: str, who: str, log_every: float, what: str) -> None:
     start = last_line = time.monotonic()
     while not store.check([key]):
         time.sleep(0.05)
         if time.monotonic() - last_line >= log_every:
             last_line = time.monotonic()
-            logger.warning(
-                "waiting for %s to finish rank_zero_first (%.0f s)", who, last_line - start
-            )
+            logger.warning("waiting for %s to finish %s (%.0f s)", who, what, last_line - start)
     value = store.get(key).decode()
     if value != "done":
-        raise RuntimeError(f"{who} failed inside rank_zero_first, so this rank stops: {value}")
+        raise RuntimeError(f"{who} failed inside {what}, so this rank stops: {value}")
 
 
 def rank_zero_only(fn: Callable[..., T]) -> Callable[..., T | None]:

@@ -103,6 +103,14 @@ class SlowUpdatesRank1DiesInUpdate4(Callback):
             os._exit(1)
 
 
+class SlowStart(Callback):
+    """A ``callbacks_master`` hook slower than the timeout when training begins (a logger
+    opening its tracking store): the other ranks wait for it on the store."""
+
+    def on_train_begin(self) -> None:
+        time.sleep(TIMEOUT + 1)
+
+
 def main(case: str, out: Path) -> None:
     fastdist.set_seed(0)
     if case.startswith("rzf"):
@@ -113,8 +121,8 @@ def main(case: str, out: Path) -> None:
                     raise OSError("rank 0 could not build the cache")
                 time.sleep(TIMEOUT + 3)  # longer than any collective may wait
         fastdist.barrier()
-        (out / f"rank{get_rank()}.json").write_text(json.dumps({"ok": True}))
-        return
+        if case == "rzf_raise":
+            return
 
     x = torch.randn(64, 4)
     data = TensorDataset(x, x.sum(dim=1, keepdim=True))
@@ -132,6 +140,8 @@ def main(case: str, out: Path) -> None:
         callbacks_all.append(SlowUpdatesRank1DiesInUpdate4())
     if case == "peer_dies":
         callbacks_all.append(AtStep(2, _rank_1_dies_rank_0_busy))
+    if case == "rzf_slow":  # and a master on_train_begin longer than the timeout
+        callbacks_master.append(SlowStart())
     if case == "inf_weight":  # after the last update (8): caught by the check at the end
         callbacks_all.append(AtStep(8, _poison_weight))
     trainer = DistTrainer(
@@ -157,7 +167,7 @@ def main(case: str, out: Path) -> None:
         except ValueError:
             sys.exit(3)
     result = trainer.train()
-    record = dict(result, skipped=trainer.state.skipped_steps)
+    record = dict(result, skipped=trainer.state.skipped_steps, ok=True)
     (out / f"rank{get_rank()}.json").write_text(json.dumps(record))
 
 
