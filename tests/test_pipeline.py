@@ -169,10 +169,11 @@ def assert_like_one_process(run: dict[str, Any], one: dict[str, Any], best: bool
 @pytest.mark.slow
 def test_two_stages_train_one_process_model(one: dict[str, Any], out: Path) -> None:
     """Pipeline(stages=2) with GPipe and 1F1B at 2 ranks (an epoch's last update, of one
-    micro-batch, runs GPipe); DDP at 2 ranks resumes the GPipe run's checkpoint of update 3
-    (the whole model and optimizer state, gathered from the stages), and a pipeline one
-    process's, ending with its best model loaded; a model whose residual connections skip
-    its blocks is refused at its first update, alike on both ranks."""
+    micro-batch, runs GPipe; 1F1B's model has rank 0's weights only: rank 1's are noise); DDP
+    at 2 ranks resumes the GPipe run's checkpoint of update 3 (the whole model and optimizer
+    state, gathered from the stages), and a pipeline one process's, ending with its best model
+    loaded; a model whose residual connections skip its blocks is refused at its first update,
+    alike on both ranks."""
     _, ranks = run_ranks(WORKER, 2, ["pp2", str(out)], out / "pp2", True, cwd=out, timeout=180)
     for schedule in ("gpipe", "1f1b"):
         assert_like_one_process(ranks[0][schedule], one["plain"])

@@ -60,7 +60,9 @@ class Pipeline(Strategy):
     new shape or number of micro-batches (an epoch's short last update, which runs GPipe
     when it has fewer micro-batches than stages).
     Checkpoints hold the whole model and optimizer state, gathered from the stages, as a plain
-    or DDP run's do: any layout resumes them, and a pipeline resumes theirs.
+    or DDP run's do: DDP, one process or another pipeline resumes them, and a pipeline resumes
+    theirs (a checkpoint of FSDP stages: FSDP stages only, so far). Every rank starts from rank
+    0's weights.
 
     Example:
         >>> strategy = Pipeline(stages=2, schedule="1f1b", split=None, stage_strategy=DDP())
@@ -163,6 +165,9 @@ class Pipeline(Strategy):
         if compile:
             raise ValueError("compile=True under Pipeline is not supported yet: drop compile")
         self.attach(model, optimizer, device, group, topology)
+        with torch.no_grad():  # as DDP does: every stage starts from rank 0's weights
+            for tensor in itertools.chain(model.parameters(), model.buffers()):
+                dist.broadcast(tensor, src=0, group=group)
         checkpoint_blocks(model, self.blocks(model), checkpointing)
         self.plan = plan_stages(model, self.stages, self.split)
         self.index = self.topology.coordinate("pp")

@@ -170,6 +170,17 @@ def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw:
     return result
 
 
+def loaded_on_rank_zero() -> Tagger:
+    """A Tagger whose weights rank 0 alone holds (a script loading pretrained weights on rank 0
+    only, as DDP allows): the other ranks' are noise until the trainer starts them alike."""
+    model = Tagger()
+    if get_rank() != 0:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_()
+    return model
+
+
 def refused(make: Any) -> str:
     """The error of a run that must be refused (``""``: none)."""
     try:
@@ -188,7 +199,8 @@ def main(argv: list[str]) -> int:
         result["uneven"] = train("ddp", out / "uneven", n_train=UNEVEN)
     elif mode == "pp2":
         result["gpipe"] = train(Pipeline(stages=2, schedule="gpipe"), out / "gpipe")
-        result["1f1b"] = train(Pipeline(stages=2, schedule="1f1b"), out / "1f1b")
+        one_f_one_b, model = Pipeline(stages=2, schedule="1f1b"), loaded_on_rank_zero()
+        result["1f1b"] = train(one_f_one_b, out / "1f1b", model=model)
         # The pipeline's checkpoint of update 3 (the end of epoch 1) resumed by DDP at 2 ranks.
         step3 = out / "gpipe" / "save" / "checkpoints" / "step-00000003.pt"
         result["ddp_resumed"] = train(DDP(), out / "ddp", update_every=2, resume=str(step3))
