@@ -457,3 +457,36 @@ def test_wandb_on_a_full_disk_warns_naming_the_directory(
     make_trainer(callback, callbacks_all=[FillDisk(mount / "filler")], n_epochs=2).train()
     lost = [line for line in log_lines if "may have lost data" in line]
     assert len(lost) == 1 and str(mount / "wandb") in lost[0], log_lines
+
+
+def test_mlflow_skips_per_metric_and_renames_the_names_it_refuses(
+    store: Path, log_lines: list[str]
+) -> None:
+    """A resume skips a metric only at steps the run holds *that metric* at (pre-empted on an
+    epoch's last update: the evaluation at that step comes after the resume); names MLflow
+    refuses are renamed, uniquely, with one warning, and the run still ends FINISHED."""
+    logger = MLflowLogger(tracking_uri=f"sqlite:///{store}", experiment="per-key")
+    logger.open(RunContext(None, 0))
+    logger.log_scalars({"loss": 1.0, "f1@5": 0.5, "f1_5": 0.2, "p(r)": 0.1}, 6)
+    logger.close(failed=False)
+    logger.load_state_dict(logger.state_dict())
+    logger.open(RunContext(None, 6))
+    logger.log_scalars({"loss": 2.0}, 6)  # held: skipped
+    logger.log_scalars({"dev/acc": 0.9, "f1@5": 0.7}, 6)  # the evaluation after the resume
+    logger.log_scalars({"loss": 3.0}, 8)
+    logger.close(failed=False)
+    client, (run,) = mlflow_runs(store, "per-key")
+    history = {
+        key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+        for key in run.data.metrics
+    }
+    assert run.info.status == "FINISHED", run.info
+    assert history == {
+        "loss": [(6, 1.0), (8, 3.0)],
+        "dev/acc": [(6, 0.9)],
+        "f1_5": [(6, 0.2)],
+        "f1_5_2": [(6, 0.5)],
+        "p_r_": [(6, 0.1)],
+    }, history
+    renamed = [line for line in log_lines if "renamed" in line]
+    assert len(renamed) == 1 and "f1@5" in renamed[0] and "p(r)" in renamed[0], log_lines
