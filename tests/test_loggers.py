@@ -25,7 +25,15 @@ from launch import Result, free_port, run_torchrun
 from test_disk_full import tmpfs  # noqa: F401  (a fixture)
 
 from fastdist.callbacks import Callback, RunLogCallback
-from fastdist.loggers import JsonLogger, MLflowLogger, RunContext, TensorBoardLogger, WandbLogger
+from fastdist.loggers import (
+    JsonLogger,
+    Logger,
+    MLflowLogger,
+    RunContext,
+    RunLog,
+    TensorBoardLogger,
+    WandbLogger,
+)
 from fastdist.loggers.backend import scalars
 from fastdist.loggers.mlflow_runs import CONTINUES, FROM_STEP, SUPERSEDED_BY
 
@@ -490,3 +498,32 @@ def test_mlflow_skips_per_metric_and_renames_the_names_it_refuses(
     }, history
     renamed = [line for line in log_lines if "renamed" in line]
     assert len(renamed) == 1 and "f1@5" in renamed[0] and "p(r)" in renamed[0], log_lines
+
+
+class Held(Logger):
+    """A backend whose state is its tag; it records the state it was given."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag, self.loaded = tag, ""
+
+    def state_dict(self) -> dict[str, str]:
+        return {"tag": self.tag}
+
+    def load_state_dict(self, state: dict[str, str]) -> None:
+        self.loaded = state["tag"]
+
+
+def test_backend_states_follow_class_and_occurrence_not_position(log_lines: list[str]) -> None:
+    """A backend added in front between a kill and the rerun: each backend still gets its own
+    state (also from a checkpoint keyed by position); state left over is named in a warning."""
+    state = RunLog([Held("a"), Held("b")]).state_dict()
+    assert state == {"Held": {"tag": "a"}, "Held#2": {"tag": "b"}}, state
+    positional = {"0:Held": {"tag": "a"}, "1:Held": {"tag": "b"}}
+    for saved in (state, positional):
+        backends = [JsonLogger(), Held("x"), Held("y")]
+        RunLog(backends).load_state_dict(saved)
+        assert [b.loaded for b in backends[1:]] == ["a", "b"], saved  # type: ignore[attr-defined]
+    assert not [line for line in log_lines if "no longer given" in line], log_lines
+    RunLog([Held("x")]).load_state_dict(state)
+    left = [line for line in log_lines if "no longer given" in line]
+    assert len(left) == 1 and "Held#2" in left[0], log_lines
