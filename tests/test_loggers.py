@@ -8,6 +8,7 @@ bad backend arguments refused when built."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -527,3 +528,28 @@ def test_backend_states_follow_class_and_occurrence_not_position(log_lines: list
     RunLog([Held("x")]).load_state_dict(state)
     left = [line for line in log_lines if "no longer given" in line]
     assert len(left) == 1 and "Held#2" in left[0], log_lines
+
+
+class Breaks(Logger):
+    """A backend whose writes raise; it records its closes."""
+
+    def __init__(self) -> None:
+        self.closed: list[bool] = []
+
+    def log_scalars(self, values: dict[str, float], step: int) -> None:
+        raise OSError(errno.EIO, "gone")
+
+    def close(self, failed: bool) -> None:
+        self.closed.append(failed)
+        raise RuntimeError("close broke too")
+
+
+def test_a_dropped_backend_is_still_closed_as_failed(log_lines: list[str]) -> None:
+    """(an MLflow run is not left RUNNING); its close raising too is not reported again."""
+    backend = Breaks()
+    log = RunLog([backend])
+    log.active = [backend]
+    log._guarded(backend, "train", backend.write, {"kind": "train", "step": 2, "loss": 1.0})
+    log.close(failed=False)
+    assert backend.closed == [True] and not log.active, backend.closed
+    assert len([line for line in log_lines if "logger Breaks failed" in line]) == 1, log_lines

@@ -45,7 +45,8 @@ class Logger:
     :meth:`close` (and :meth:`state_dict` to continue the same run on a resume).
 
     It runs on rank 0 only, from ``callbacks_master``: it must not call collectives. An
-    exception it raises is reported once as a warning, after which it writes nothing more;
+    exception it raises is reported once as a warning, after which it is closed
+    (``close(failed=True)``, whose own exception is ignored) and writes nothing more;
     training goes on (one raised by :meth:`load_state_dict` starts it afresh instead). A
     constructor checks its arguments at once, alike on every rank, and raises
     ``TypeError``/``ValueError`` naming the argument and the fix.

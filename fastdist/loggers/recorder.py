@@ -3,6 +3,7 @@ evaluation, the end) and what (one ``log.jsonl`` record); its backends only writ
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
 from collections.abc import Sequence
@@ -37,9 +38,10 @@ class RunLog:
     The records are ``log.jsonl``'s (see :class:`~fastdist.loggers.JsonLogger`): ``"start"``
     (the run's options, once), ``"train"`` every ``print_every`` updates (loss, learning rate,
     throughput, memory, per-rank timings), ``"eval"`` after every evaluation, and ``"end"`` or
-    ``"exception"``. A backend that raises is named in one warning and dropped for the rest
-    of the run (one whose ``state_dict`` raises is left out of later checkpoints; one whose
-    ``load_state_dict`` raises starts afresh); training, its checkpoints and a resume go on.
+    ``"exception"``. A backend that raises is named in one warning, closed as failed (if that
+    raises too, silently) and dropped for the rest of the run (one whose ``state_dict``
+    raises is left out of later checkpoints; one whose ``load_state_dict`` raises starts
+    afresh); training, its checkpoints and a resume go on.
 
     Args:
         backends: the :class:`~fastdist.loggers.Logger` objects to write to.
@@ -197,8 +199,10 @@ class RunLog:
                 if what == "load_state_dict"
                 else "it writes nothing more in this run",
             )
-            if backend in self.active:
-                self.active.remove(backend)
+            if backend in self.active or what == "open":
+                self.active = [b for b in self.active if b is not backend]
+                with contextlib.suppress(Exception):  # e.g. an MLflow run left RUNNING
+                    backend.close(True)
             return FAILED
 
 
