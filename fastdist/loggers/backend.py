@@ -26,9 +26,10 @@ class RunContext:
         save_path: the trainer's ``save_path`` (file-based backends write under it by default).
         step: the optimizer update training starts from (> 0 on a resume).
         rollback: the run resumed from a checkpoint older than the newest one (a rollback in
-            place, see :meth:`~fastdist.DistTrainer.train`): what a backend holds of the run
-            beyond ``step`` belongs to the discarded branch, unlike a plain resume, which
-            trains the steps after ``step`` again exactly as before.
+            place, see :meth:`~fastdist.DistTrainer.train`), or on another number of
+            processes than the checkpoint's: what a backend holds of the run beyond ``step``
+            belongs to a discarded branch, unlike a plain resume, which trains the steps after
+            ``step`` again exactly as before (:attr:`~fastdist.state.TrainerState.rolled_back`).
     """
 
     save_path: str | None

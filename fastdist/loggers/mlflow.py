@@ -39,9 +39,12 @@ class MLflowLogger(Logger):
       at a held step, e.g. the evaluation after a pre-emption on an epoch's last update, is
       written);
     * a rollback (a resume from a checkpoint older than the newest one; the newer ones are
-      set aside) continues in a *new* run, tagged ``fastdist.continues`` (the old run's id)
-      and ``fastdist.continues_from_step`` (the resumed step S), which holds the old run's
-      metrics up to S and the new ones after; the old run is tagged
+      set aside), or a resume on another number of processes than the checkpoint's (its
+      steps after the checkpoint are not trained again identically, so the killed run's
+      values there are not this training's), continues in a *new* run, tagged
+      ``fastdist.continues`` (the old run's id) and ``fastdist.continues_from_step`` (the
+      resumed step S), which holds the old run's metrics up to S and the new ones after;
+      the old run is tagged
       ``fastdist.superseded_by`` (the new id) and keeps the discarded branch, so no run
       presents the discarded values as the training's. A later plain resume from a
       checkpoint at S or after continues the new run;

@@ -21,7 +21,9 @@ class WandbLogger(Logger):
     a run is continued only when it comes from there):
 
     * a plain resume continues the same run (``resume="allow"``);
-    * a rollback (a resume from a checkpoint older than the newest one) starts a new run
+    * a rollback (a resume from a checkpoint older than the newest one, or one on another
+      number of processes than the checkpoint's: the steps after it are then not trained
+      again identically) starts a new run
       forked from the old one at the resumed step S (``fork_from="<old id>?_step=S"``: W&B
       gives it the old run's history up to S), with ``fastdist/continues`` (the old id) and
       ``fastdist/continues_from_step`` (S) in its config. The old run keeps the discarded
