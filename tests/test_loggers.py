@@ -418,11 +418,16 @@ def test_a_plain_resume_of_a_superseded_run_continues_its_successor(store: Path)
         lambda save: [JsonLogger(), JsonLogger()],
         lambda save: [JsonLogger(), JsonLogger(save / "log.jsonl")],
         lambda save: [TensorBoardLogger(), TensorBoardLogger(save / "tensorboard")],
+        lambda save: [JsonLogger(), JsonLogger(save.parent / "link" / "log.jsonl")],
+        lambda save: [WandbLogger(mode="offline"), WandbLogger(mode="offline", dir=save)],
     ],
 )
 def test_two_backends_writing_one_file_are_refused(tmp_path: Path, loggers: Any) -> None:
     save = tmp_path / "save"
-    with pytest.raises(ValueError, match=r"^loggers holds a (\w+) and a \1 that both write .*"):
+    (tmp_path / "link").symlink_to(save, target_is_directory=True)  # dangling until made
+    with pytest.raises(
+        ValueError, match=r"^loggers holds (a (\w+) and a \2 that both write|two Wandb)"
+    ):
         make_trainer(RunLogCallback([]), loggers=loggers(save), save_path=str(save))
     assert not save.exists()
 
@@ -431,7 +436,8 @@ def test_two_backends_writing_one_file_are_refused(tmp_path: Path, loggers: Any)
     ("make", "error", "message"),
     [
         (lambda: WandbLogger(mode="ofline"), ValueError, r"WandbLogger\(mode\) must be one of"),
-        (lambda: MLflowLogger(experiment=""), ValueError, r"MLflowLogger\(experiment\) must"),
+        (lambda: MLflowLogger(experiment=""), ValueError, r"experiment\) must be a name \(a n"),
+        (lambda: MLflowLogger(experiment=None), TypeError, r"experiment\) must be a name \(a n"),
         (lambda: MLflowLogger(tracking_uri=5), TypeError, r"MLflowLogger\(tracking_uri\) must"),
         (lambda: JsonLogger(path="."), ValueError, r"JsonLogger\(path\)='.' is a directory"),
         (lambda: JsonLogger(path=3), TypeError, r"JsonLogger\(path\) must be a file path"),
@@ -553,3 +559,22 @@ def test_a_dropped_backend_is_still_closed_as_failed(log_lines: list[str]) -> No
     log.close(failed=False)
     assert backend.closed == [True] and not log.active, backend.closed
     assert len([line for line in log_lines if "logger Breaks failed" in line]) == 1, log_lines
+
+
+class Collective(Logger):
+    """A backend that calls a collective."""
+
+    def log_scalars(self, values: dict[str, float], step: int) -> None:
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._new_process_group_helper()  # type: ignore[call-arg]
+
+
+def test_a_backend_calling_a_collective_is_told_backends_must_not(log_lines: list[str]) -> None:
+    backend = Collective()
+    log = RunLog([backend])
+    log.active = [backend]
+    log._guarded(backend, "train", backend.write, {"kind": "train", "step": 2, "loss": 1.0})
+    (warning,) = [line for line in log_lines if "logger Collective failed" in line]
+    assert "logging backend Collective (train) called" in warning, warning
+    assert "must not call collectives" in warning and "callbacks_all" not in warning, warning

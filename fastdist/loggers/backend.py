@@ -53,6 +53,9 @@ class Logger:
     ``TypeError``/``ValueError`` naming the argument and the fix.
     """
 
+    #: At most one backend of this class per trainer (e.g. wandb keeps one run per process).
+    one_per_process = False
+
     def destination(self, run: RunContext) -> str | None:
         """The file or directory this backend writes that no other backend of the run may
         share (an absolute path; ``run.step`` is 0), or ``None``."""
@@ -132,11 +135,18 @@ def check_loggers(
     loggers = check_list("loggers", value, Logger, "fastdist.loggers backends", "JsonLogger()")
     if len({id(b) for b in loggers}) < len(loggers):
         raise ValueError("loggers holds the same backend object twice: pass each backend once")
-    run, writers = RunContext(save_path, 0), dict[str, Logger]()
-    for backend in [*loggers, *others]:
+    run, writers, every = RunContext(save_path, 0), dict[str, Logger](), [*loggers, *others]
+    for backend in every:
+        kind = type(backend)
+        if kind.one_per_process and sum(type(b) is kind for b in every) > 1:
+            raise ValueError(
+                f"loggers holds two {kind.__name__}s: it keeps one run per process (a second "
+                "one would write into the first's run): keep one"
+            )
         where = backend.destination(run)
         if where is None:
             continue
+        where = os.path.realpath(where)  # the same file through a symbolic link
         first = writers.setdefault(where, backend)
         if first is not backend:
             raise ValueError(

@@ -76,9 +76,12 @@ class MLflowLogger(Logger):
     ) -> None:
         example = "'sqlite:///runs/mlflow.db'"
         self.tracking_uri = check_optional_str("MLflowLogger(tracking_uri)", tracking_uri, example)
-        if experiment is None:
-            raise TypeError("MLflowLogger(experiment) must be a name (str), e.g. 'fastdist'")
-        self.experiment = check_optional_str("MLflowLogger(experiment)", experiment, "'fastdist'")
+        if not isinstance(experiment, str) or not experiment:
+            raise (ValueError if experiment == "" else TypeError)(
+                f"MLflowLogger(experiment) must be a name (a non-empty str), got {experiment!r}: "
+                "e.g. 'fastdist'"
+            )
+        self.experiment = experiment
         self.run_name = check_optional_str("MLflowLogger(run_name)", run_name, "'baseline'")
         self.run_id: str | None = None  # the run being written (kept in checkpoints)
         self.resume_id: str | None = None  # from a checkpoint: the run the next open continues

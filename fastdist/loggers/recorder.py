@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
+from fastdist.distributed.guard import BACKEND, no_collectives
 from fastdist.loggers.backend import Logger, RunContext
 from fastdist.logging import logger
 from fastdist.state import OptionsView, TrainerState
@@ -186,7 +187,8 @@ class RunLog:
     def _guarded(self, backend: Logger, what: str, call: Any, *args: Any) -> Any:
         """``call(*args)``; if it raises, warn once, drop ``backend`` and return ``FAILED``."""
         try:
-            return call(*args)
+            with no_collectives(f"{BACKEND}{type(backend).__name__} ({what})"):
+                return call(*args)
         except Exception as exc:
             logger.warning(
                 "logger %s failed (%s, at %s: %s: %s); %s, training goes on",

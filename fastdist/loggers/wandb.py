@@ -45,6 +45,8 @@ class WandbLogger(Logger):
             ``save_path``, else wandb's default (``WANDB_DIR`` or the current directory).
     """
 
+    one_per_process = True  # wandb.init returns the process's run while it is open
+
     def __init__(
         self,
         project: str | None = None,
