@@ -393,7 +393,7 @@ def test_a_resume_without_the_old_store_starts_a_tagged_run(
 def test_a_plain_resume_of_a_superseded_run_continues_its_successor(store: Path) -> None:
     """Rolled back to step 10 and killed before the next checkpoint: the checkpoint of step 10
     names the old run, and a plain resume from it continues the new one (the old one holds the
-    discarded steps); a rollback to step 5 branches off the old run again."""
+    discarded steps); a rollback to step 5 branches off the old run again, superseding both."""
     from mlflow.entities import Metric
 
     client, _ = mlflow_runs(store, "chain")
@@ -409,6 +409,8 @@ def test_a_plain_resume_of_a_superseded_run_continues_its_successor(store: Path)
         logger.close(failed=False)
         assert (logger.run_id == new) is (step == 10), (step, logger.run_id, old, new)
     assert client.get_run(logger.run_id).data.tags[FROM_STEP] == "5"
+    for run_id in (old, new):  # both hold steps after 5 of a discarded branch
+        assert client.get_run(run_id).data.tags[SUPERSEDED_BY] == logger.run_id, run_id
 
 
 @pytest.mark.usefixtures("no_dist_env")

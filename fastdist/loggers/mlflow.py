@@ -10,7 +10,6 @@ from fastdist.loggers.backend import Logger, RunContext, Scalar
 from fastdist.loggers.mlflow_runs import (
     CONTINUES,
     FROM_STEP,
-    SUPERSEDED_BY,
     check_reachable,
     copy_history,
     find_run,
@@ -18,6 +17,7 @@ from fastdist.loggers.mlflow_runs import (
     mlflow_name,
     now_ms,
     successor,
+    supersede,
 )
 from fastdist.logging import logger
 
@@ -44,9 +44,9 @@ class MLflowLogger(Logger):
       values there are not this training's), continues in a *new* run, tagged
       ``fastdist.continues`` (the old run's id) and ``fastdist.continues_from_step`` (the
       resumed step S), which holds the old run's metrics up to S and the new ones after;
-      the old run is tagged
-      ``fastdist.superseded_by`` (the new id) and keeps the discarded branch, so no run
-      presents the discarded values as the training's. A later plain resume from a
+      the old run is tagged ``fastdist.superseded_by`` (the new id) and keeps the discarded
+      branch, so no run presents the discarded values as the training's (a second, deeper
+      rollback tags every run that continued the old one too). A later plain resume from a
       checkpoint at S or after continues the new run;
     * a checkpoint whose run the store does not hold (a resume into another ``save_path``
       without its ``mlflow.db``) starts a new run, tagged as above, with a warning.
@@ -125,7 +125,7 @@ class MLflowLogger(Logger):
         self.run_id = self._create(client, tags)
         if old is not None:  # a rollback: the old run's history up to the resumed step
             self.held = copy_history(client, old, self.run_id, run.step)
-            client.set_tag(old.info.run_id, SUPERSEDED_BY, self.run_id)
+            supersede(client, old, self.run_id)
 
     def _create(self, client: Any, tags: dict[str, str]) -> str:
         found = client.get_experiment_by_name(self.experiment)

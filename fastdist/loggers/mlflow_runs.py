@@ -73,6 +73,17 @@ def successor(client: Any, run: Any, step: int) -> Any:
     return run
 
 
+def supersede(client: Any, run: Any, new_id: str) -> None:
+    """Tag ``run``, and every run that continued it before (a deeper rollback: their steps
+    after the new run's start are discarded too), :data:`SUPERSEDED_BY` ``new_id``."""
+    seen = set()
+    while run is not None and run.info.run_id not in seen:
+        seen.add(run.info.run_id)
+        after = run.data.tags.get(SUPERSEDED_BY)
+        client.set_tag(run.info.run_id, SUPERSEDED_BY, new_id)
+        run = None if after is None else find_run(client, after)
+
+
 def last_steps(client: Any, run: Any) -> dict[str, int]:
     """Each metric of ``run``: the last step it holds it at."""
     run_id = run.info.run_id
