@@ -34,7 +34,9 @@ class WandbLogger(Logger):
     end, the backend warns (naming the directory) when the run's ``.wandb`` file is missing
     or empty, or the disk holding it has less than 64 KiB free, which is when a full disk may
     have cost data (wandb's ``finish`` itself reports nothing). A disk that filled and
-    emptied again meanwhile goes unnoticed.
+    emptied again meanwhile goes unnoticed. Offline, the steps since wandb's last flush are
+    lost when rank 0 is killed with ``SIGKILL`` (``log.jsonl`` holds them). One
+    ``WandbLogger`` per trainer: wandb keeps one run per process.
 
     Args:
         project: the W&B project; default wandb's (``WANDB_PROJECT``...).
