@@ -49,8 +49,10 @@ class TrainerState:
         stop_requested: set by :meth:`DistTrainer.request_stop`; agreed across ranks at the next
             sync point.
         rolled_back: this run resumed from a checkpoint older than the newest one (a rollback
-            in place): the steps after ``global_step`` that were trained before belong to a
-            discarded branch (logging backends must not keep them as this run's).
+            in place), or on another number of processes than the checkpoint's (the steps
+            after it are not trained again identically): the steps after ``global_step``
+            that were trained before belong to a discarded branch (logging backends must not
+            keep them as this run's).
         rank_times: every rank's mean time per update since the previous log step (or
             evaluation, checkpoint), one dict per rank: ``rank``, ``update_ms`` (data +
             compute), ``data_ms``, ``compute_ms``, ``collective_ms``; see

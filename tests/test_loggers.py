@@ -8,6 +8,7 @@ bad backend arguments refused when built."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -25,7 +26,15 @@ from launch import Result, free_port, run_torchrun
 from test_disk_full import tmpfs  # noqa: F401  (a fixture)
 
 from fastdist.callbacks import Callback, RunLogCallback
-from fastdist.loggers import JsonLogger, MLflowLogger, RunContext, TensorBoardLogger, WandbLogger
+from fastdist.loggers import (
+    JsonLogger,
+    Logger,
+    MLflowLogger,
+    RunContext,
+    RunLog,
+    TensorBoardLogger,
+    WandbLogger,
+)
 from fastdist.loggers.backend import scalars
 from fastdist.loggers.mlflow_runs import CONTINUES, FROM_STEP, SUPERSEDED_BY
 
@@ -384,7 +393,7 @@ def test_a_resume_without_the_old_store_starts_a_tagged_run(
 def test_a_plain_resume_of_a_superseded_run_continues_its_successor(store: Path) -> None:
     """Rolled back to step 10 and killed before the next checkpoint: the checkpoint of step 10
     names the old run, and a plain resume from it continues the new one (the old one holds the
-    discarded steps); a rollback to step 5 branches off the old run again."""
+    discarded steps); a rollback to step 5 branches off the old run again, superseding both."""
     from mlflow.entities import Metric
 
     client, _ = mlflow_runs(store, "chain")
@@ -400,6 +409,8 @@ def test_a_plain_resume_of_a_superseded_run_continues_its_successor(store: Path)
         logger.close(failed=False)
         assert (logger.run_id == new) is (step == 10), (step, logger.run_id, old, new)
     assert client.get_run(logger.run_id).data.tags[FROM_STEP] == "5"
+    for run_id in (old, new):  # both hold steps after 5 of a discarded branch
+        assert client.get_run(run_id).data.tags[SUPERSEDED_BY] == logger.run_id, run_id
 
 
 @pytest.mark.usefixtures("no_dist_env")
@@ -409,11 +420,16 @@ def test_a_plain_resume_of_a_superseded_run_continues_its_successor(store: Path)
         lambda save: [JsonLogger(), JsonLogger()],
         lambda save: [JsonLogger(), JsonLogger(save / "log.jsonl")],
         lambda save: [TensorBoardLogger(), TensorBoardLogger(save / "tensorboard")],
+        lambda save: [JsonLogger(), JsonLogger(save.parent / "link" / "log.jsonl")],
+        lambda save: [WandbLogger(mode="offline"), WandbLogger(mode="offline", dir=save)],
     ],
 )
 def test_two_backends_writing_one_file_are_refused(tmp_path: Path, loggers: Any) -> None:
     save = tmp_path / "save"
-    with pytest.raises(ValueError, match=r"^loggers holds a (\w+) and a \1 that both write .*"):
+    (tmp_path / "link").symlink_to(save, target_is_directory=True)  # dangling until made
+    with pytest.raises(
+        ValueError, match=r"^loggers holds (a (\w+) and a \2 that both write|two Wandb)"
+    ):
         make_trainer(RunLogCallback([]), loggers=loggers(save), save_path=str(save))
     assert not save.exists()
 
@@ -422,7 +438,8 @@ def test_two_backends_writing_one_file_are_refused(tmp_path: Path, loggers: Any)
     ("make", "error", "message"),
     [
         (lambda: WandbLogger(mode="ofline"), ValueError, r"WandbLogger\(mode\) must be one of"),
-        (lambda: MLflowLogger(experiment=""), ValueError, r"MLflowLogger\(experiment\) must"),
+        (lambda: MLflowLogger(experiment=""), ValueError, r"experiment\) must be a name \(a n"),
+        (lambda: MLflowLogger(experiment=None), TypeError, r"experiment\) must be a name \(a n"),
         (lambda: MLflowLogger(tracking_uri=5), TypeError, r"MLflowLogger\(tracking_uri\) must"),
         (lambda: JsonLogger(path="."), ValueError, r"JsonLogger\(path\)='.' is a directory"),
         (lambda: JsonLogger(path=3), TypeError, r"JsonLogger\(path\) must be a file path"),
@@ -457,3 +474,109 @@ def test_wandb_on_a_full_disk_warns_naming_the_directory(
     make_trainer(callback, callbacks_all=[FillDisk(mount / "filler")], n_epochs=2).train()
     lost = [line for line in log_lines if "may have lost data" in line]
     assert len(lost) == 1 and str(mount / "wandb") in lost[0], log_lines
+
+
+def test_mlflow_skips_per_metric_and_renames_the_names_it_refuses(
+    store: Path, log_lines: list[str]
+) -> None:
+    """A resume skips a metric only at steps the run holds *that metric* at (pre-empted on an
+    epoch's last update: the evaluation at that step comes after the resume); names MLflow
+    refuses are renamed, uniquely, with one warning, and the run still ends FINISHED."""
+    logger = MLflowLogger(tracking_uri=f"sqlite:///{store}", experiment="per-key")
+    logger.open(RunContext(None, 0))
+    logger.log_scalars({"loss": 1.0, "f1@5": 0.5, "f1_5": 0.2, "p(r)": 0.1}, 6)
+    logger.close(failed=False)
+    logger.load_state_dict(logger.state_dict())
+    logger.open(RunContext(None, 6))
+    logger.log_scalars({"loss": 2.0}, 6)  # held: skipped
+    logger.log_scalars({"dev/acc": 0.9, "f1@5": 0.7}, 6)  # the evaluation after the resume
+    logger.log_scalars({"loss": 3.0}, 8)
+    logger.close(failed=False)
+    client, (run,) = mlflow_runs(store, "per-key")
+    history = {
+        key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+        for key in run.data.metrics
+    }
+    assert run.info.status == "FINISHED", run.info
+    assert history == {
+        "loss": [(6, 1.0), (8, 3.0)],
+        "dev/acc": [(6, 0.9)],
+        "f1_5": [(6, 0.2)],
+        "f1_5_2": [(6, 0.5)],
+        "p_r_": [(6, 0.1)],
+    }, history
+    renamed = [line for line in log_lines if "renamed" in line]
+    assert len(renamed) == 1 and "f1@5" in renamed[0] and "p(r)" in renamed[0], log_lines
+
+
+class Held(Logger):
+    """A backend whose state is its tag; it records the state it was given."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag, self.loaded = tag, ""
+
+    def state_dict(self) -> dict[str, str]:
+        return {"tag": self.tag}
+
+    def load_state_dict(self, state: dict[str, str]) -> None:
+        self.loaded = state["tag"]
+
+
+def test_backend_states_follow_class_and_occurrence_not_position(log_lines: list[str]) -> None:
+    """A backend added in front between a kill and the rerun: each backend still gets its own
+    state (also from a checkpoint keyed by position); state left over is named in a warning."""
+    state = RunLog([Held("a"), Held("b")]).state_dict()
+    assert state == {"Held": {"tag": "a"}, "Held#2": {"tag": "b"}}, state
+    positional = {"0:Held": {"tag": "a"}, "1:Held": {"tag": "b"}}
+    for saved in (state, positional):
+        backends = [JsonLogger(), Held("x"), Held("y")]
+        RunLog(backends).load_state_dict(saved)
+        assert [b.loaded for b in backends[1:]] == ["a", "b"], saved  # type: ignore[attr-defined]
+    assert not [line for line in log_lines if "no longer given" in line], log_lines
+    RunLog([Held("x")]).load_state_dict(state)
+    left = [line for line in log_lines if "no longer given" in line]
+    assert len(left) == 1 and "Held#2" in left[0], log_lines
+
+
+class Breaks(Logger):
+    """A backend whose writes raise; it records its closes."""
+
+    def __init__(self) -> None:
+        self.closed: list[bool] = []
+
+    def log_scalars(self, values: dict[str, float], step: int) -> None:
+        raise OSError(errno.EIO, "gone")
+
+    def close(self, failed: bool) -> None:
+        self.closed.append(failed)
+        raise RuntimeError("close broke too")
+
+
+def test_a_dropped_backend_is_still_closed_as_failed(log_lines: list[str]) -> None:
+    """(an MLflow run is not left RUNNING); its close raising too is not reported again."""
+    backend = Breaks()
+    log = RunLog([backend])
+    log.active = [backend]
+    log._guarded(backend, "train", backend.write, {"kind": "train", "step": 2, "loss": 1.0})
+    log.close(failed=False)
+    assert backend.closed == [True] and not log.active, backend.closed
+    assert len([line for line in log_lines if "logger Breaks failed" in line]) == 1, log_lines
+
+
+class Collective(Logger):
+    """A backend that calls a collective."""
+
+    def log_scalars(self, values: dict[str, float], step: int) -> None:
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._new_process_group_helper()  # type: ignore[call-arg]
+
+
+def test_a_backend_calling_a_collective_is_told_backends_must_not(log_lines: list[str]) -> None:
+    backend = Collective()
+    log = RunLog([backend])
+    log.active = [backend]
+    log._guarded(backend, "train", backend.write, {"kind": "train", "step": 2, "loss": 1.0})
+    (warning,) = [line for line in log_lines if "logger Collective failed" in line]
+    assert "logging backend Collective (train) called" in warning, warning
+    assert "must not call collectives" in warning and "callbacks_all" not in warning, warning

@@ -115,6 +115,7 @@ def assert_matches_straight(
         expected = rank_result(straight, config, "straight", rank)
         got = rank_result(out, config, resumed, rank, restart)
         assert got["start_step"] == resume_step and got["steps"] == expected["steps"]
+        assert not got["rolled_back"], "a resume on as many processes is not a rollback"
         if first is not None:
             done = [u for u in updates(out, config, first, rank) if u["step"] <= resume_step]
             assert [u["step"] for u in done] == list(range(1, resume_step + 1))
@@ -268,6 +269,7 @@ def test_two_ranks_resumed_on_one_process_see_each_sample_once(tmp_path: Path) -
     assert "resuming a 2-process run on 1 processes" in resumed.output, resumed.describe()
     result = rank_result(tmp_path, "plain", "resumed", 0)
     assert (result["start_step"], result["world_size"]) == (3, 1)
+    assert result["rolled_back"], "backends must not keep the killed run's steps after 3"
     assert result["steps"] == result["total_steps"] == 3 + 48 // 4 + N_SAMPLES // 4
 
     def seen(records: list[dict[str, Any]], epoch: int) -> list[int]:

@@ -54,6 +54,10 @@ _GATES = [(c10d.ProcessGroup, name) for name in _METHODS if name in vars(c10d.Pr
 ]
 
 
+#: How :func:`no_collectives`' ``where`` starts for a logging backend's call.
+BACKEND = "logging backend "
+
+
 class CollectiveInMasterCallbackError(RuntimeError):
     """A ``callbacks_master`` callback called a collective that the other ranks never join."""
 
@@ -74,10 +78,15 @@ def _refuser(gate: str) -> Any:
     """What stands in for the gate ``gate`` while a guarded block runs."""
 
     def refused(*args: Any, **kwargs: Any) -> None:
+        called = f"{_where[-1]} called torch.distributed.{_entry_point(gate)}() on rank 0 only"
+        if _where[-1].startswith(BACKEND):
+            raise CollectiveInMasterCallbackError(
+                f"{called}: logging backends run on rank 0 alone and must not call "
+                "collectives (the other ranks would never join)"
+            )
         raise CollectiveInMasterCallbackError(
-            f"{_where[-1]} called torch.distributed.{_entry_point(gate)}() on rank 0 only: "
-            "callbacks_master run on rank 0 alone, so the other ranks would never join. "
-            "Move this callback to callbacks_all so every rank takes part, or keep its "
+            f"{called}: callbacks_master run on rank 0 alone, so the other ranks would never "
+            "join. Move this callback to callbacks_all so every rank takes part, or keep its "
             "rank-0 work free of collectives (e.g. a @rank_zero_only function called from "
             "callbacks_all)."
         )

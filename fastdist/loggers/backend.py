@@ -26,9 +26,10 @@ class RunContext:
         save_path: the trainer's ``save_path`` (file-based backends write under it by default).
         step: the optimizer update training starts from (> 0 on a resume).
         rollback: the run resumed from a checkpoint older than the newest one (a rollback in
-            place, see :meth:`~fastdist.DistTrainer.train`): what a backend holds of the run
-            beyond ``step`` belongs to the discarded branch, unlike a plain resume, which
-            trains the steps after ``step`` again exactly as before.
+            place, see :meth:`~fastdist.DistTrainer.train`), or on another number of
+            processes than the checkpoint's: what a backend holds of the run beyond ``step``
+            belongs to a discarded branch, unlike a plain resume, which trains the steps after
+            ``step`` again exactly as before (:attr:`~fastdist.state.TrainerState.rolled_back`).
     """
 
     save_path: str | None
@@ -45,11 +46,15 @@ class Logger:
     :meth:`close` (and :meth:`state_dict` to continue the same run on a resume).
 
     It runs on rank 0 only, from ``callbacks_master``: it must not call collectives. An
-    exception it raises is reported once as a warning, after which it writes nothing more;
+    exception it raises is reported once as a warning, after which it is closed
+    (``close(failed=True)``, whose own exception is ignored) and writes nothing more;
     training goes on (one raised by :meth:`load_state_dict` starts it afresh instead). A
     constructor checks its arguments at once, alike on every rank, and raises
     ``TypeError``/``ValueError`` naming the argument and the fix.
     """
+
+    #: At most one backend of this class per trainer (e.g. wandb keeps one run per process).
+    one_per_process = False
 
     def destination(self, run: RunContext) -> str | None:
         """The file or directory this backend writes that no other backend of the run may
@@ -130,11 +135,18 @@ def check_loggers(
     loggers = check_list("loggers", value, Logger, "fastdist.loggers backends", "JsonLogger()")
     if len({id(b) for b in loggers}) < len(loggers):
         raise ValueError("loggers holds the same backend object twice: pass each backend once")
-    run, writers = RunContext(save_path, 0), dict[str, Logger]()
-    for backend in [*loggers, *others]:
+    run, writers, every = RunContext(save_path, 0), dict[str, Logger](), [*loggers, *others]
+    for backend in every:
+        kind = type(backend)
+        if kind.one_per_process and sum(type(b) is kind for b in every) > 1:
+            raise ValueError(
+                f"loggers holds two {kind.__name__}s: it keeps one run per process (a second "
+                "one would write into the first's run): keep one"
+            )
         where = backend.destination(run)
         if where is None:
             continue
+        where = os.path.realpath(where)  # the same file through a symbolic link
         first = writers.setdefault(where, backend)
         if first is not backend:
             raise ValueError(

@@ -16,7 +16,8 @@ class FitlogLogger(Logger):
 
     fitlog is imported when training starts (``pip install fastdist[fitlog]``). Values are
     logged as named scalars, which also works with fitlog 0.9.15 on numpy >= 1.24; the names
-    are ``log.jsonl``'s (``loss``, ``lr``, ``dev/<key>``...).
+    are ``log.jsonl``'s (``loss``, ``lr``, ``dev/<key>``...). On a full disk fitlog's own
+    logging fails silently: no warning.
 
     Args:
         log_dir: fitlog's log directory; default ``<save_path>/fitlog``, else ``logs``.

@@ -10,13 +10,14 @@ from fastdist.loggers.backend import Logger, RunContext, Scalar
 from fastdist.loggers.mlflow_runs import (
     CONTINUES,
     FROM_STEP,
-    SUPERSEDED_BY,
     check_reachable,
     copy_history,
     find_run,
-    last_step,
+    last_steps,
+    mlflow_name,
     now_ms,
     successor,
+    supersede,
 )
 from fastdist.logging import logger
 
@@ -33,17 +34,25 @@ class MLflowLogger(Logger):
     id is kept in the checkpoint; a run is continued only when it comes from there):
 
     * a plain resume (``"auto"`` after a crash, or from the newest checkpoint) continues the
-      same run and skips the steps it already holds: they are trained again exactly as
-      before, so no step is written twice;
+      same run and skips each metric at the steps it already holds that metric at: they are
+      trained again exactly as before, so no value is written twice (a metric the run lacks
+      at a held step, e.g. the evaluation after a pre-emption on an epoch's last update, is
+      written);
     * a rollback (a resume from a checkpoint older than the newest one; the newer ones are
-      set aside) continues in a *new* run, tagged ``fastdist.continues`` (the old run's id)
-      and ``fastdist.continues_from_step`` (the resumed step S), which holds the old run's
-      metrics up to S and the new ones after; the old run is tagged
-      ``fastdist.superseded_by`` (the new id) and keeps the discarded branch, so no run
-      presents the discarded values as the training's. A later plain resume from a
+      set aside), or a resume on another number of processes than the checkpoint's (its
+      steps after the checkpoint are not trained again identically, so the killed run's
+      values there are not this training's), continues in a *new* run, tagged
+      ``fastdist.continues`` (the old run's id) and ``fastdist.continues_from_step`` (the
+      resumed step S), which holds the old run's metrics up to S and the new ones after;
+      the old run is tagged ``fastdist.superseded_by`` (the new id) and keeps the discarded
+      branch, so no run presents the discarded values as the training's (a second, deeper
+      rollback tags every run that continued the old one too). A later plain resume from a
       checkpoint at S or after continues the new run;
     * a checkpoint whose run the store does not hold (a resume into another ``save_path``
       without its ``mlflow.db``) starts a new run, tagged as above, with a warning.
+
+    A metric name MLflow refuses (e.g. ``dev/f1@5``) is written with ``_`` for each
+    character it refuses (kept unique with a suffix ``_2``...), named in one warning.
 
     A tracking server (``http(s)://``) must accept a connection within 3 s when training
     starts, else the backend is dropped with one warning. MLflow's HTTP retries and timeouts
@@ -67,14 +76,18 @@ class MLflowLogger(Logger):
     ) -> None:
         example = "'sqlite:///runs/mlflow.db'"
         self.tracking_uri = check_optional_str("MLflowLogger(tracking_uri)", tracking_uri, example)
-        if experiment is None:
-            raise TypeError("MLflowLogger(experiment) must be a name (str), e.g. 'fastdist'")
-        self.experiment = check_optional_str("MLflowLogger(experiment)", experiment, "'fastdist'")
+        if not isinstance(experiment, str) or not experiment:
+            raise (ValueError if experiment == "" else TypeError)(
+                f"MLflowLogger(experiment) must be a name (a non-empty str), got {experiment!r}: "
+                "e.g. 'fastdist'"
+            )
+        self.experiment = experiment
         self.run_name = check_optional_str("MLflowLogger(run_name)", run_name, "'baseline'")
         self.run_id: str | None = None  # the run being written (kept in checkpoints)
         self.resume_id: str | None = None  # from a checkpoint: the run the next open continues
         self.client: Any = None
-        self.logged_through = -1  # the last step the run already holds (a resume)
+        self.held: dict[str, int] = {}  # each metric's last step the run holds (a resume)
+        self.names: dict[str, str] = {}  # each metric's name in MLflow (see mlflow_name)
         self.holds_options = False
 
     def open(self, run: RunContext) -> None:
@@ -90,7 +103,7 @@ class MLflowLogger(Logger):
         check_reachable(uri)
         self.client = client = MlflowClient(tracking_uri=uri)
         resumed, self.resume_id = self.resume_id, None
-        self.run_id, self.logged_through, self.holds_options = None, -1, False
+        self.run_id, self.held, self.holds_options = None, {}, False
         old = None if resumed is None else find_run(client, resumed)
         if resumed is not None and old is None:
             logger.warning(
@@ -106,14 +119,13 @@ class MLflowLogger(Logger):
             old = successor(client, old, run.step)
             self.run_id = old.info.run_id
             client.update_run(self.run_id, status="RUNNING")
-            self.logged_through, self.holds_options = last_step(client, old), True
+            self.held, self.holds_options = last_steps(client, old), True
             return
         tags = {} if resumed is None else {CONTINUES: resumed, FROM_STEP: str(run.step)}
         self.run_id = self._create(client, tags)
         if old is not None:  # a rollback: the old run's history up to the resumed step
-            copy_history(client, old, self.run_id, run.step)
-            client.set_tag(old.info.run_id, SUPERSEDED_BY, self.run_id)
-            self.logged_through = run.step
+            self.held = copy_history(client, old, self.run_id, run.step)
+            supersede(client, old, self.run_id)
 
     def _create(self, client: Any, tags: dict[str, str]) -> str:
         found = client.get_experiment_by_name(self.experiment)
@@ -129,13 +141,33 @@ class MLflowLogger(Logger):
         self.client.log_batch(self.run_id, params=params)
 
     def log_scalars(self, values: dict[str, float], step: int) -> None:
-        if step <= self.logged_through:
-            return  # written before the resumed run was stopped (or copied: a rollback)
         from mlflow.entities import Metric
 
-        now = now_ms()
-        metrics = [Metric(name, value, now, step) for name, value in values.items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
+        now, named = now_ms(), self._named(values)
+        metrics = [  # skipped: written before the resumed run was stopped (or copied)
+            Metric(name, value, now, step)
+            for name, value in named.items()
+            if step > self.held.get(name, -1)
+        ]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+
+    def _named(self, values: dict[str, float]) -> dict[str, float]:
+        """``values`` under names MLflow accepts, each kept unique; one warning per new
+        batch of renamed names."""
+        renamed = {}
+        for name in values:
+            if name not in self.names:
+                new, n, taken = mlflow_name(name), 1, set(self.names.values())
+                while new in taken or (new != name and new in values):
+                    n += 1
+                    new = f"{mlflow_name(name)}_{n}"
+                self.names[name] = new
+                if new != name:
+                    renamed[name] = new
+        if renamed:
+            logger.warning("MLflowLogger: metric names MLflow refuses are renamed: %s", renamed)
+        return {self.names[name]: value for name, value in values.items()}
 
     def close(self, failed: bool) -> None:
         if self.client is not None and self.run_id is not None:

@@ -4,6 +4,8 @@ answers at all (quickly), which run a resume continues, and a run's history copi
 from __future__ import annotations
 
 import os
+import posixpath
+import re
 import socket
 import time
 from typing import Any
@@ -71,15 +73,27 @@ def successor(client: Any, run: Any, step: int) -> Any:
     return run
 
 
-def last_step(client: Any, run: Any) -> int:
-    """The last step ``run`` holds a metric at (-1: none)."""
+def supersede(client: Any, run: Any, new_id: str) -> None:
+    """Tag ``run``, and every run that continued it before (a deeper rollback: their steps
+    after the new run's start are discarded too), :data:`SUPERSEDED_BY` ``new_id``."""
+    seen = set()
+    while run is not None and run.info.run_id not in seen:
+        seen.add(run.info.run_id)
+        after = run.data.tags.get(SUPERSEDED_BY)
+        client.set_tag(run.info.run_id, SUPERSEDED_BY, new_id)
+        run = None if after is None else find_run(client, after)
+
+
+def last_steps(client: Any, run: Any) -> dict[str, int]:
+    """Each metric of ``run``: the last step it holds it at."""
     run_id = run.info.run_id
-    steps = (m.step for key in run.data.metrics for m in client.get_metric_history(run_id, key))
-    return max(steps, default=-1)
+    history = {key: client.get_metric_history(run_id, key) for key in run.data.metrics}
+    return {key: max(m.step for m in found) for key, found in history.items() if found}
 
 
-def copy_history(client: Any, source: Any, target_id: str, through: int) -> None:
-    """Copy ``source``'s metrics at steps up to ``through`` into the run ``target_id``."""
+def copy_history(client: Any, source: Any, target_id: str, through: int) -> dict[str, int]:
+    """Copy ``source``'s metrics at steps up to ``through`` into the run ``target_id``; return
+    each copied metric's last step."""
     from mlflow.entities import Metric
 
     run_id = source.info.run_id
@@ -91,6 +105,20 @@ def copy_history(client: Any, source: Any, target_id: str, through: int) -> None
     ]
     for start in range(0, len(metrics), BATCH):
         client.log_batch(target_id, metrics=metrics[start : start + BATCH])
+    held: dict[str, int] = {}
+    for m in metrics:
+        held[m.key] = max(m.step, held.get(m.key, -1))
+    return held
+
+
+def mlflow_name(name: str) -> str:
+    """``name`` with the characters MLflow refuses in a metric name (all but alphanumerics,
+    ``_ - . /`` and space; colons only in recent versions) replaced by ``_``; one MLflow
+    would read as another path (``a//b``, ``x/..``, ``/x``, ``.x``) flattened behind ``_``."""
+    name = re.sub(r"[^\w.\- /]", "_", name)
+    if name.startswith(("/", ".")) or posixpath.normpath(name) != name:
+        name = "_" + name.replace("/", "_")
+    return name
 
 
 def now_ms() -> int:

@@ -3,6 +3,7 @@ evaluation, the end) and what (one ``log.jsonl`` record); its backends only writ
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
 from collections.abc import Sequence
@@ -10,6 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
+from fastdist.distributed.guard import BACKEND, no_collectives
 from fastdist.loggers.backend import Logger, RunContext
 from fastdist.logging import logger
 from fastdist.state import OptionsView, TrainerState
@@ -37,9 +39,10 @@ class RunLog:
     The records are ``log.jsonl``'s (see :class:`~fastdist.loggers.JsonLogger`): ``"start"``
     (the run's options, once), ``"train"`` every ``print_every`` updates (loss, learning rate,
     throughput, memory, per-rank timings), ``"eval"`` after every evaluation, and ``"end"`` or
-    ``"exception"``. A backend that raises is named in one warning and dropped for the rest
-    of the run (one whose ``state_dict`` raises is left out of later checkpoints; one whose
-    ``load_state_dict`` raises starts afresh); training, its checkpoints and a resume go on.
+    ``"exception"``. A backend that raises is named in one warning, closed as failed (if that
+    raises too, silently) and dropped for the rest of the run (one whose ``state_dict``
+    raises is left out of later checkpoints; one whose ``load_state_dict`` raises starts
+    afresh); training, its checkpoints and a resume go on.
 
     Args:
         backends: the :class:`~fastdist.loggers.Logger` objects to write to.
@@ -135,7 +138,8 @@ class RunLog:
             self._guarded(backend, "close", backend.close, failed)
 
     def state_dict(self) -> dict[str, Any]:
-        """Each backend's state (e.g. its run id), by position and class."""
+        """Each backend's state (e.g. its run id), by class and occurrence among the backends
+        of that class (``"MLflowLogger"``, ``"MLflowLogger#2"``)."""
         states = {}
         for key, backend in self._keyed():
             if backend in self.unsaved:
@@ -148,13 +152,23 @@ class RunLog:
         return states
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Give each backend its saved state, before :meth:`begin` of a resume."""
-        for key, backend in self._keyed():
+        """Give each backend its saved state, before :meth:`begin` of a resume; warn about
+        state for backends no longer given."""
+        state = unpositioned(state)
+        keyed = self._keyed()
+        for key, backend in keyed:
             if key in state:
                 self._guarded(backend, "load_state_dict", backend.load_state_dict, state[key])
+        left = sorted(set(state) - {key for key, _ in keyed})
+        if left:
+            logger.warning(
+                "the checkpoint holds the state of logging backends no longer given (%s): "
+                "their runs are not continued",
+                ", ".join(left),
+            )
 
     def _keyed(self) -> list[tuple[str, Logger]]:
-        return [(f"{i}:{type(b).__name__}", b) for i, b in enumerate(self.backends)]
+        return keyed(self.backends)
 
     def _emit(self, kind: str, **fields: Any) -> None:
         if self.trainer is None:
@@ -173,7 +187,8 @@ class RunLog:
     def _guarded(self, backend: Logger, what: str, call: Any, *args: Any) -> Any:
         """``call(*args)``; if it raises, warn once, drop ``backend`` and return ``FAILED``."""
         try:
-            return call(*args)
+            with no_collectives(f"{BACKEND}{type(backend).__name__} ({what})"):
+                return call(*args)
         except Exception as exc:
             logger.warning(
                 "logger %s failed (%s, at %s: %s: %s); %s, training goes on",
@@ -186,9 +201,37 @@ class RunLog:
                 if what == "load_state_dict"
                 else "it writes nothing more in this run",
             )
-            if backend in self.active:
-                self.active.remove(backend)
+            if backend in self.active or what == "open":
+                self.active = [b for b in self.active if b is not backend]
+                with contextlib.suppress(Exception):  # e.g. an MLflow run left RUNNING
+                    backend.close(True)
             return FAILED
+
+
+def keyed(backends: Sequence[Logger]) -> list[tuple[str, Logger]]:
+    """Each backend under its class's name, with ``#N`` from the second of a class on."""
+    seen: dict[str, int] = {}
+    found = []
+    for backend in backends:
+        name = type(backend).__name__
+        seen[name] = n = seen.get(name, 0) + 1
+        found.append((name if n == 1 else f"{name}#{n}", backend))
+    return found
+
+
+def unpositioned(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with the keys of checkpoints before it was keyed by class (``"<i>:<class>"``,
+    by position) renamed as :func:`keyed` names them, in their old order."""
+    old = sorted(
+        (k for k in state if k.partition(":")[0].isdigit()), key=lambda k: int(k.split(":")[0])
+    )
+    seen: dict[str, int] = {}
+    renamed = {k: v for k, v in state.items() if k not in old}
+    for key in old:
+        name = key.partition(":")[2]
+        seen[name] = n = seen.get(name, 0) + 1
+        renamed[name if n == 1 else f"{name}#{n}"] = state[key]
+    return renamed
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -21,7 +21,9 @@ class WandbLogger(Logger):
     a run is continued only when it comes from there):
 
     * a plain resume continues the same run (``resume="allow"``);
-    * a rollback (a resume from a checkpoint older than the newest one) starts a new run
+    * a rollback (a resume from a checkpoint older than the newest one, or one on another
+      number of processes than the checkpoint's: the steps after it are then not trained
+      again identically) starts a new run
       forked from the old one at the resumed step S (``fork_from="<old id>?_step=S"``: W&B
       gives it the old run's history up to S), with ``fastdist/continues`` (the old id) and
       ``fastdist/continues_from_step`` (S) in its config. The old run keeps the discarded
@@ -32,7 +34,9 @@ class WandbLogger(Logger):
     end, the backend warns (naming the directory) when the run's ``.wandb`` file is missing
     or empty, or the disk holding it has less than 64 KiB free, which is when a full disk may
     have cost data (wandb's ``finish`` itself reports nothing). A disk that filled and
-    emptied again meanwhile goes unnoticed.
+    emptied again meanwhile goes unnoticed. Offline, the steps since wandb's last flush are
+    lost when rank 0 is killed with ``SIGKILL`` (``log.jsonl`` holds them). One
+    ``WandbLogger`` per trainer: wandb keeps one run per process.
 
     Args:
         project: the W&B project; default wandb's (``WANDB_PROJECT``...).
@@ -42,6 +46,8 @@ class WandbLogger(Logger):
         dir: where wandb writes its files (``<dir>/wandb/...``); default the trainer's
             ``save_path``, else wandb's default (``WANDB_DIR`` or the current directory).
     """
+
+    one_per_process = True  # wandb.init returns the process's run while it is open
 
     def __init__(
         self,

@@ -274,7 +274,8 @@ class Loop:
     def _begin(self, resumed: Resumed | None) -> None:
         """Continue from a restored checkpoint, count the updates left, log the plan."""
         state, options, world = self.state, self.options, self.world
-        state.rolled_back = resumed is not None and resumed.rollback
+        moved = resumed is not None and resumed.world_size != world.size
+        state.rolled_back = resumed is not None and (resumed.rollback or moved)
         global_batch = options.global_batch(world.data.size)
         mid_epoch = not state.epoch_complete and (state.samples_in_epoch or state.batches_in_epoch)
         if resumed is not None and mid_epoch:
@@ -293,7 +294,7 @@ class Loop:
                 if left != 0
                 else " (nothing left to train: another save_path/checkpoint_dir starts afresh)",
             )
-            if resumed.world_size != world.size:
+            if moved:
                 logger.warning(
                     "resuming a %d-process run on %d processes: the rest of the epoch is "
                     "sharded anew; global batch now %d",

@@ -112,9 +112,11 @@ class IdLog(Callback):
         self.ids: list[int] = []
         self.loss = 0.0
         self.start_step: int | None = None
+        self.rolled_back = False
 
     def on_train_begin(self) -> None:
         self.start_step = self.trainer.state.global_step
+        self.rolled_back = self.trainer.state.rolled_back
 
     def on_epoch_begin(self) -> None:
         self.ids, self.loss = [], 0.0
@@ -250,6 +252,7 @@ def run(config: str, args: argparse.Namespace) -> None:
             "final": flat_params(trainer.model),
             "full": full_params(trainer.model),
             "start_step": ids.start_step,
+            "rolled_back": ids.rolled_back,
             "steps": result["steps"],
             "total_steps": trainer.state.total_steps,
             "world_size": trainer.world_size,
