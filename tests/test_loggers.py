@@ -538,6 +538,19 @@ def test_backend_states_follow_class_and_occurrence_not_position(log_lines: list
     assert len(left) == 1 and "Held#2" in left[0], log_lines
 
 
+def test_a_backend_state_a_checkpoint_could_not_load_is_dropped_with_a_warning(
+    log_lines: list[str],
+) -> None:
+    """A Path in a backend's state would make every resume skip the checkpoint: the backend's
+    state is left out, with one warning naming it; the others' is kept."""
+    odd = Held("a")
+    odd.state_dict = lambda: {"dir": Path("/tmp")}  # type: ignore[method-assign]
+    state = RunLog([odd, Held("b")]).state_dict()
+    assert state == {"Held#2": {"tag": "b"}}, state
+    warned = [line for line in log_lines if "logger Held failed" in line]
+    assert len(warned) == 1 and "state_dict()['dir']: pathlib.PosixPath" in warned[0], log_lines
+
+
 class Breaks(Logger):
     """A backend whose writes raise; it records its closes."""
 

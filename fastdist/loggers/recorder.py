@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
+from fastdist.checkpoint.loadable import unloadable
 from fastdist.distributed.guard import BACKEND, no_collectives
 from fastdist.loggers.backend import Logger, RunContext
 from fastdist.logging import logger
@@ -144,7 +145,7 @@ class RunLog:
         for key, backend in self._keyed():
             if backend in self.unsaved:
                 continue
-            state = self._guarded(backend, "state_dict", backend.state_dict)
+            state = self._guarded(backend, "state_dict", saved_state, backend)
             if state is FAILED:
                 self.unsaved.append(backend)
             elif state:
@@ -232,6 +233,16 @@ def unpositioned(state: dict[str, Any]) -> dict[str, Any]:
         seen[name] = n = seen.get(name, 0) + 1
         renamed[name if n == 1 else f"{name}#{n}"] = state[key]
     return renamed
+
+
+def saved_state(backend: Logger) -> dict[str, Any]:
+    """``backend.state_dict()``, or ``TypeError`` if a checkpoint could not load it back (a
+    ``Path``, a NumPy scalar: every resume would then skip the checkpoint)."""
+    state = backend.state_dict()
+    problem = unloadable(state, f"{type(backend).__name__}.state_dict()")
+    if problem is not None:
+        raise TypeError(problem)
+    return state
 
 
 def peak_memory_mb(device: torch.device) -> float:
