@@ -13,7 +13,8 @@ peak in bytes.
 The peak measured: the parameters this rank holds once the trainer is built, plus the rise
 of the resident memory over ``train()`` (``VmHWM`` after resetting it with
 ``/proc/self/clear_refs``, minus ``VmRSS`` before); the launch sets ``MALLOC_MMAP_THRESHOLD_``
-so that freed tensors leave the resident memory at once.
+so that freed tensors leave the resident memory at once. The torch packages fastdist imports
+when first used are imported here first: their code is not the training's memory.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401
+import torch.distributed.checkpoint  # noqa: F401
+import torch.distributed.fsdp  # noqa: F401
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
