@@ -26,31 +26,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 from workers.ending import exit_now
-from workers.trainer_worker import write_json
+from workers.token_loss_worker import Sequences
+from workers.trainer_worker import refused, write_json
 
 from fastdist import DDP, FSDP, Callback, DistTrainer, LossMetric, Pipeline, get_rank
 from fastdist.callbacks import GradientClipCallback
 
 WIDTH, N_TRAIN, N_DEV = 16, 36, 13  # 9 micro-batches of 4: updates of 4, 4 and 1
 UNEVEN = 33  # at 4 ranks, data shards of 17 and 16 sequences
-
-
-class Sequences(Dataset):
-    """``n`` sequences of 9 positions, 1 to 9 of them real (``mask``)."""
-
-    def __init__(self, n: int, seed: int = 3) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.lengths = torch.randint(1, 10, (n,), generator=g).tolist()
-        self.x = torch.randn(n, 9, 3, generator=g, dtype=torch.float64)
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        mask = torch.arange(9) < self.lengths[i]
-        return {"x": self.x[i], "mask": mask, "target": self.x[i].sum(-1).tanh() * mask}
 
 
 class Block(nn.Module):
@@ -128,7 +112,7 @@ def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw:
     model = kw.pop("model", None) or Tagger()
     die, resume = DieOnce(kw.pop("die_at", None)), kw.pop("resume", "auto")
     trainer = DistTrainer(
-        Sequences(kw.pop("n_train", N_TRAIN)),
+        Sequences(kw.pop("n_train", N_TRAIN), squash=True),
         model,
         optimizer=torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1),
         loss=token_loss,
@@ -136,7 +120,7 @@ def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw:
         batch_size_per_gpu=batch,
         update_every=update_every,
         n_epochs=3,
-        dev_data=Sequences(N_DEV, seed=4),
+        dev_data=Sequences(N_DEV, seed=4, squash=True),
         metrics=[LossMetric(nn.MSELoss(), pred="pred", target="target")],
         metric_key="-loss",
         dev_batch_size_per_gpu=2,
@@ -155,7 +139,7 @@ def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw:
         "steps": summary["steps"],
         "start_step": die.start_step,
         "eval": trainer.evaluate(),
-        "predict": trainer.predict(Sequences(N_DEV, seed=4)),
+        "predict": trainer.predict(Sequences(N_DEV, seed=4, squash=True)),
     }
     saved = trainer.save_model(out / "model.pt")
     full = trainer.strategy.full_state_dict()
@@ -179,15 +163,6 @@ def loaded_on_rank_zero() -> Tagger:
             for param in model.parameters():
                 param.normal_()
     return model
-
-
-def refused(make: Any) -> str:
-    """The error of a run that must be refused (``""``: none)."""
-    try:
-        make()
-    except ValueError as exc:
-        return str(exc)
-    return ""
 
 
 def main(argv: list[str]) -> int:

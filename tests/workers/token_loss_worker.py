@@ -19,8 +19,12 @@ from fastdist import DistTrainer
 
 
 class Sequences(Dataset):
-    def __init__(self, n: int = 64) -> None:
-        g = torch.Generator().manual_seed(3)
+    """``n`` sequences of 9 positions, 1 to 9 of them real (``mask``); the target is each
+    position's sum (``squash``: its tanh), 0 past the end."""
+
+    def __init__(self, n: int = 64, seed: int = 3, squash: bool = False) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.squash = squash
         self.lengths = torch.randint(1, 10, (n,), generator=g).tolist()
         self.x = torch.randn(n, 9, 3, generator=g, dtype=torch.float64)
 
@@ -29,7 +33,12 @@ class Sequences(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         mask = torch.arange(9) < self.lengths[i]
-        return {"x": self.x[i], "mask": mask, "target": self.x[i].sum(-1) * mask}
+        target = self.x[i].sum(-1)
+        return {
+            "x": self.x[i],
+            "mask": mask,
+            "target": (target.tanh() if self.squash else target) * mask,
+        }
 
 
 class Tagger(nn.Module):

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import IterableDataset
 from workers.ending import exit_now
 from workers.fsdp_worker import BlockNet
-from workers.trainer_worker import ToyData, write_json
+from workers.trainer_worker import ToyData, refused, write_json
 
 from fastdist import Callback, CrossEntropyLoss, DistTrainer, get_rank, get_world_size
 from fastdist.data import ShardedStream, TokenBatchSampler
@@ -98,15 +98,6 @@ def train(strategy: Any, data: Any = None, batch: int = GLOBAL_BATCH, **options:
 def tokens(lengths: list[int], strategy: Any) -> dict[str, Any]:
     sampler = TokenBatchSampler(lengths, max_tokens=GLOBAL_BATCH, seed=3)
     return train(strategy, batch_sampler=sampler)
-
-
-def refused(make: Any) -> str:
-    """The error of a trainer that must be refused (``""``: none)."""
-    try:
-        make()
-    except ValueError as exc:
-        return str(exc)
-    return ""
 
 
 def tensor_parallel(strategy: Any) -> dict[str, Any]:

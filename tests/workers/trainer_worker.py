@@ -576,6 +576,15 @@ CASES: dict[str, Callable[[Path], dict[str, Any]]] = {
 }
 
 
+def refused(make: Any) -> str:
+    """The error of a run that must be refused (``""``: none)."""
+    try:
+        make()
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
 def write_json(out: Path, data: dict[str, Any]) -> None:
     """Write ``data`` to ``out/rank<R>.json`` atomically."""
     path = out / f"rank{get_rank()}.json"
