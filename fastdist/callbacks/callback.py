@@ -157,6 +157,7 @@ class CallbackList:
         if is_master:
             active += [(cb, guard_master) for cb in callbacks_master]
         self.callbacks = [cb for cb, _ in active]
+        self.master_ids = {id(cb) for cb in self.callbacks_master}
         self.hooks = {
             hook: [
                 (cb, f"{type(cb).__name__}.{hook}", guarded)
@@ -202,9 +203,8 @@ class CallbackList:
     def _call(self, hook: str, *args: Any, master: bool | None = None) -> None:
         """Run ``hook`` of the callbacks (``master``: of ``callbacks_master`` only, or of
         ``callbacks_all`` only; ``None``: of both, in order)."""
-        masters = {id(cb) for cb in self.callbacks_master}
         for cb, where, guarded in self.hooks[hook]:
-            if master is not None and (id(cb) in masters) != master:
+            if master is not None and (id(cb) in self.master_ids) != master:
                 continue
             self.current = where
             if guarded:
