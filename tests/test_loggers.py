@@ -281,10 +281,17 @@ def test_a_rollback_continues_in_a_new_run_that_supersedes_the_old(resumed: Run)
 
     assert_same(history(new), rolled, last=True)  # steps <= 10 copied, the new ones after
     assert_same(history(old), rolled)  # the first training's, discarded branch included
-    first, second = sorted(rolled.save.glob("wandb/offline-run-*/run-*.wandb"))
-    assert first.name != second.name, "a new W&B run"
-    (record,) = [r.run for r in wandb_records(second) if r.HasField("run")]
-    assert record.branch_point.run == first.name[4:-6] and record.branch_point.value == 10
+    # Both runs may start in the same second: their directories' names then sort by run id.
+    files = list(rolled.save.glob("wandb/offline-run-*/run-*.wandb"))
+    runs_by_id: dict[str, Any] = {}
+    for path in files:
+        (record,) = [r.run for r in wandb_records(path) if r.HasField("run")]
+        runs_by_id[path.name[4:-6]] = record
+    assert len(runs_by_id) == len(files) == 2, files  # a new W&B run
+    (forked_id,) = [i for i, r in runs_by_id.items() if r.branch_point.run]
+    (first_id,) = set(runs_by_id) - {forked_id}
+    point = runs_by_id[forked_id].branch_point
+    assert point.run == first_id and point.value == 10
 
 
 # In-process: a one-process world without a process group.
