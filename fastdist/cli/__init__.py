@@ -7,6 +7,7 @@ Commands:
 - ``estimate``: the memory per rank of a model under DDP, FSDP and tensor parallelism.
 - ``plot``: draw the curves of one or more runs' ``log.jsonl`` into a PNG.
 - ``export``: write the model of a checkpoint (sharded or not) as one file, offline.
+- ``hang-report``: a job's hang dumps (each rank's collective and Python line) as one report.
 
 Example:
     >>> main(["env"])  # python -m fastdist env  # doctest: +SKIP
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from fastdist.cli.env import add_parser as add_env_parser
 from fastdist.cli.estimate import add_parser as add_estimate_parser
 from fastdist.cli.export import add_parser as add_export_parser
+from fastdist.cli.hang_report import add_parser as add_hang_report_parser
 from fastdist.cli.plot import add_parser as add_plot_parser
 
 
@@ -34,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_estimate_parser(commands)
     add_plot_parser(commands)
     add_export_parser(commands)
+    add_hang_report_parser(commands)
     return parser
 
 

@@ -28,6 +28,7 @@ from fastdist.distributed import (
     destroy_groups,
     get_rank,
     get_world_size,
+    hang,
     init_distributed,
     is_distributed,
     is_multi_node,
@@ -178,7 +179,9 @@ def _form_world(options: TrainerOptions, device: torch.device) -> World:
     if is_distributed() and options.timeout is not None:
         group = dist.new_group(timeout=datetime.timedelta(seconds=options.timeout))
     topology = Topology.of(options.strategy, device.type, options.timeout)
-    return World(device, rank, size, group, PositionBoard(rank, size), topology)
+    board = PositionBoard(rank, size)
+    hang.watch(rank, hang.dump_dir(options.save_path), lambda: board.describe(board.fields))
+    return World(device, rank, size, group, board, topology)
 
 
 def _batches(args: Arguments, world: World, timer: RankTimer, stream_group: Any) -> Batches:
