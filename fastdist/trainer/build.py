@@ -44,6 +44,7 @@ from fastdist.loggers import JsonLogger
 from fastdist.logging import logger
 from fastdist.state import TrainerState
 from fastdist.strategies import DataShard, Strategy, Topology
+from fastdist.trainer import check_resume
 from fastdist.trainer.arguments import Arguments, check_all
 from fastdist.trainer.failure import install_excepthook
 from fastdist.trainer.loss_tracker import LossTracker
@@ -267,7 +268,8 @@ def _callbacks(args: Arguments, is_master: bool) -> CallbackList:
         loggers.append(JsonLogger())  # the run's record: save_path/log.jsonl
     if loggers:
         master.append(RunLogCallback(loggers, state_key="loggers"))
-    return CallbackList(args.callbacks_all, master, is_master, guard_master=is_distributed())
+    every = [*args.callbacks_all, *check_resume.callbacks()]
+    return CallbackList(every, master, is_master, guard_master=is_distributed())
 
 
 def _checkpointer(options: TrainerOptions, group: Any, state: TrainerState) -> Checkpointer:
