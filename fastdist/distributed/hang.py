@@ -63,10 +63,14 @@ class _Watch:
     def run(self) -> None:
         client, number = self.store.clone(), 1
         while True:
-            try:
+            try:  # a day's wait: each timeout prints torch's socket warnings
                 client.wait([_REQUEST.format(number)], datetime.timedelta(days=1))
                 self.answer(client, number, self.failure or self.record(_main_stack()))
-            except Exception:  # the store is gone: the job is over
+            except dist.DistStoreError as exc:
+                if "timeout" not in str(exc):
+                    return  # the store is gone: the job is over
+                continue  # no request today
+            except Exception:  # the store went while answering
                 return
             number += 1
 
