@@ -49,6 +49,8 @@ def add_parser(commands: Any) -> None:
         help="check that a script's run killed halfway and resumed ends as one run through",
         description=__doc__.split("\n\nExample")[0] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="python -m fastdist check-resume SCRIPT [options] [-- SCRIPT_ARGS...]",
+        epilog="Arguments after -- are the script's.",
     )
     parser.add_argument("script", metavar="SCRIPT", help="the training script")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="processes (default 1)")

@@ -40,8 +40,9 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
         limit = f"{timeout:g} s (DistTrainer(timeout=...))" if timeout else "the group's timeout"
         headline = f"a collective failed on rank {board.rank} (waits are bounded by {limit})"
         logger.error("%s: %s\n%s", headline, summary, board.report())  # before torchrun's SIGTERM
-        stacks = describe(hang.collect(board.world_size), board.world_size)  # up to 5 s
-        logger.error("%s:\n%s", _dumps(), stacks)
+        records = hang.collect(board.world_size)  # up to 5 s; none in a one-process world
+        if records:
+            logger.error("%s:\n%s", _dumps(), describe(records, board.world_size))
     else:
         logger.error("rank %d raised %s\n%s", board.rank, summary, board.report(), exc_info=exc)
     exc.fastdist_reported = True  # type: ignore[attr-defined]
