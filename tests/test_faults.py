@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from launch import Result, run_torchrun
 
+from fastdist.cli import main as cli_main
+
 WORKER = Path(__file__).resolve().parent / "workers" / "fault_worker.py"
 TIMEOUT = 8.0  # fault_worker.TIMEOUT
 BOUND = TIMEOUT + 30  # the job must be over this long after the fault at the latest
@@ -69,8 +71,16 @@ def test_a_caught_error_and_sys_exit_does_not_hang_the_job(tmp_path: Path) -> No
     assert seconds < 40, result.describe()
 
 
+def _worker_line(code: str) -> str:
+    """``fault_worker.py:N`` of the line holding ``code``."""
+    lines = WORKER.read_text().splitlines()
+    return f"{WORKER}:{next(n for n, line in enumerate(lines, 1) if code in line)}"
+
+
 @pytest.mark.slow
-def test_timeout_reports_every_ranks_position(tmp_path: Path) -> None:
+def test_timeout_reports_every_ranks_position_collective_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     output = _failed("timeout", tmp_path)
     assert "a collective failed on rank 0 (waits are bounded by 8 s" in output
     assert "Timed out" in output
@@ -78,6 +88,31 @@ def test_timeout_reports_every_ranks_position(tmp_path: Path) -> None:
     # rank 1 sleeps in on_step_end of update 2, after the sync it published
     assert "rank 1: epoch 1, step 2, phase sync (published" in output
     assert "ranks not at this rank's position: [1]" in output
+    # The hang report: rank 0 waits in DDP's all-reduce, which rank 1, asleep in the user's
+    # callback, never entered; each rank's line of the worker's code.
+    dumps = tmp_path / "save" / "hang"
+    headline = f"each rank's collective and Python line (files in {dumps}: python -m fastdist "
+    assert f"{headline}hang-report {dumps}):" in output, output
+    report = output.split(f"hang-report {dumps}):\n", 1)[1]
+    report = "\n".join(re.findall(r"^  .*", report, re.MULTILINE)[:7])  # rank 0's report only
+    rank_0 = re.escape(_worker_line("result = trainer.train()") + " in main (your code)")
+    rank_1 = re.escape(_worker_line("time.sleep(2 * TIMEOUT)") + " in _sleep_on_rank_1 (your code)")
+    pattern = (
+        r"  rank 0: FAILED with RuntimeError: .*Timed out.*\n    in gloo:all_reduce #(\d+) of "
+        rf"group 1\n    at {rank_0}, innermost .*\n  rank 1: epoch 1, step 2, phase \w+\n    never "
+        rf"entered gloo:all_reduce #\1 of group 1 \(its last there: #\d+\)\n    at {rank_1}\n"
+        r"  missing ranks: \[1\] never entered gloo:all_reduce #\1 of group 1 \(ranks \[0\] "
+        r"entered it\)$"
+    )
+    assert re.fullmatch(pattern, report), report
+    # python -m fastdist hang-report DIR prints the same from the files every rank wrote
+    assert sorted(p.name for p in dumps.iterdir()) == [
+        f"rank{r}.{kind}" for r in (0, 1) for kind in ("fr.json", "json", "stack.txt")
+    ]
+    assert cli_main(["hang-report", str(dumps)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"hang report of {dumps} (dumped at ")
+    assert printed.split("\n", 1)[1].strip("\n") == report
 
 
 @pytest.mark.slow

@@ -7,6 +7,8 @@ Commands:
 - ``estimate``: the memory per rank of a model under DDP, FSDP and tensor parallelism.
 - ``plot``: draw the curves of one or more runs' ``log.jsonl`` into a PNG.
 - ``export``: write the model of a checkpoint (sharded or not) as one file, offline.
+- ``check-resume``: run a training script through, and killed halfway then resumed; compare.
+- ``hang-report``: a job's hang dumps (each rank's collective and Python line) as one report.
 
 Example:
     >>> main(["env"])  # python -m fastdist env  # doctest: +SKIP
@@ -16,11 +18,14 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
+from fastdist.cli.check_resume import add_parser as add_check_resume_parser
 from fastdist.cli.env import add_parser as add_env_parser
 from fastdist.cli.estimate import add_parser as add_estimate_parser
 from fastdist.cli.export import add_parser as add_export_parser
+from fastdist.cli.hang_report import add_parser as add_hang_report_parser
 from fastdist.cli.plot import add_parser as add_plot_parser
 
 
@@ -34,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_estimate_parser(commands)
     add_plot_parser(commands)
     add_export_parser(commands)
+    add_hang_report_parser(commands)
+    add_check_resume_parser(commands)
     return parser
 
 
@@ -45,7 +52,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)  # after it: a script's own arguments
+    args = parser.parse_args(argv[:cut])
+    if cut < len(argv):
+        if not hasattr(args, "script_args"):
+            parser.error("only check-resume takes arguments after --: its SCRIPT's")
+        args.script_args = argv[cut + 1 :]
     if args.command is None:
         parser.print_help()
         return 2

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from fastdist.distributed.hang import enable_flight_recorder
 from fastdist.distributed.ray_train import ray_train_context, torchrun_env_from_ray
 from fastdist.distributed.slurm import apply_slurm_env
 
@@ -220,6 +221,7 @@ def init_distributed(
         if shortage is not None:
             raise ValueError(f"backend={backend!r}: {shortage}")
         torch.cuda.set_device(get_local_rank())
+    enable_flight_recorder()  # the last collectives of each rank, for a hang report
     url = init_method or "env://"
     limit = None if timeout is None else datetime.timedelta(seconds=timeout)
     try:

@@ -24,6 +24,7 @@ from fastdist.losses import Loss, as_loss_fn
 from fastdist.metrics import Metric
 from fastdist.strategies import Strategy, Topology
 from fastdist.strategies.registry import BY_NAME
+from fastdist.trainer import check_resume
 from fastdist.trainer.options import TrainerOptions
 
 #: DistTrainer keywords that became options of a strategy object: name -> (class, option).
@@ -84,7 +85,7 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
     does not take); raise alike on every rank, before any collective. Last, every rank
     checks that it can write to ``save_path`` and ``checkpoint_dir`` (creating nothing)."""
     reject_extra(extra, given)
-    options = TrainerOptions.of(given)
+    options = TrainerOptions.of(check_resume.overridden(given))  # the tool's, if it runs us
     model, train_data, dev_data = given["model"], given["train_data"], given["dev_data"]
     check_model(model)
     stream = isinstance(train_data, IterableDataset)

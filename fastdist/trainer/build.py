@@ -28,6 +28,7 @@ from fastdist.distributed import (
     destroy_groups,
     get_rank,
     get_world_size,
+    hang,
     init_distributed,
     is_distributed,
     is_multi_node,
@@ -43,6 +44,7 @@ from fastdist.loggers import JsonLogger
 from fastdist.logging import logger
 from fastdist.state import TrainerState
 from fastdist.strategies import DataShard, Strategy, Topology
+from fastdist.trainer import check_resume
 from fastdist.trainer.arguments import Arguments, check_all
 from fastdist.trainer.failure import install_excepthook
 from fastdist.trainer.loss_tracker import LossTracker
@@ -178,7 +180,9 @@ def _form_world(options: TrainerOptions, device: torch.device) -> World:
     if is_distributed() and options.timeout is not None:
         group = dist.new_group(timeout=datetime.timedelta(seconds=options.timeout))
     topology = Topology.of(options.strategy, device.type, options.timeout)
-    return World(device, rank, size, group, PositionBoard(rank, size), topology)
+    board = PositionBoard(rank, size)
+    hang.watch(rank, hang.dump_dir(options.save_path), lambda: board.describe(board.fields))
+    return World(device, rank, size, group, board, topology)
 
 
 def _batches(args: Arguments, world: World, timer: RankTimer, stream_group: Any) -> Batches:
@@ -264,7 +268,8 @@ def _callbacks(args: Arguments, is_master: bool) -> CallbackList:
         loggers.append(JsonLogger())  # the run's record: save_path/log.jsonl
     if loggers:
         master.append(RunLogCallback(loggers, state_key="loggers"))
-    return CallbackList(args.callbacks_all, master, is_master, guard_master=is_distributed())
+    every = [*args.callbacks_all, *check_resume.callbacks()]
+    return CallbackList(every, master, is_master, guard_master=is_distributed())
 
 
 def _checkpointer(options: TrainerOptions, group: Any, state: TrainerState) -> Checkpointer:

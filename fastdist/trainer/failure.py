@@ -7,7 +7,9 @@ import types
 
 import torch.distributed as dist
 
+from fastdist.distributed import hang
 from fastdist.distributed.env import note_failure
+from fastdist.distributed.hang_report import describe
 from fastdist.distributed.position import PositionBoard
 from fastdist.logging import logger
 
@@ -26,19 +28,32 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
     """Log where every rank is and what failed, once; the traceback only where it started.
 
     A rank whose own code raised logs the error with its traceback; a rank whose collective
-    failed (a peer died, or the timeout expired) logs the collective error and the positions,
-    which usually name the rank that is elsewhere.
+    failed (a peer died, or the timeout expired) logs the collective error, the positions, which
+    usually name the rank that is elsewhere, and the hang report: each rank's collective and
+    Python line (:mod:`fastdist.distributed.hang`).
     """
     note_failure(exc)
+    hang.note_failure(exc)
     summary = f"{type(exc).__name__}: {exc}".strip()
     board.publish(failed=summary[:300])
     if is_collective_failure(exc):
         limit = f"{timeout:g} s (DistTrainer(timeout=...))" if timeout else "the group's timeout"
         headline = f"a collective failed on rank {board.rank} (waits are bounded by {limit})"
-        logger.error("%s: %s\n%s", headline, summary, board.report())
+        logger.error("%s: %s\n%s", headline, summary, board.report())  # before torchrun's SIGTERM
+        records = hang.collect(board.world_size)  # up to 5 s; none in a one-process world
+        if records:
+            logger.error("%s:\n%s", _dumps(), describe(records, board.world_size))
     else:
         logger.error("rank %d raised %s\n%s", board.rank, summary, board.report(), exc_info=exc)
     exc.fastdist_reported = True  # type: ignore[attr-defined]
+
+
+def _dumps() -> str:
+    """The hang report's headline: where its files are."""
+    where, what = hang.dump_dir_in_use(), "each rank's collective and Python line"
+    if where is None:
+        return f"{what} (no files: no save_path or ${hang.DIR_VAR})"
+    return f"{what} (files in {where}: python -m fastdist hang-report {where})"
 
 
 def _excepthook(

@@ -160,6 +160,7 @@ def main(case: str, out: Path) -> None:
         on_nonfinite="skip" if case == "nan_skip" else "raise",
         check_sync_every=1 if case in ("master_edit_weight", "nan_skip") else 0,
         sampler=FirstRanksLonger(get_rank()) if case == "uneven" else None,
+        save_path=str(out / "save") if case == "timeout" else None,  # the hang dumps' home
     )
     if case == "raise_caught":  # the script catches rank 1's error and exits on its own
         try:

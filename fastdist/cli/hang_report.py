@@ -1,0 +1,55 @@
+"""``python -m fastdist hang-report DIR``: a job's hang dumps as one report.
+
+DIR is the dump directory of a job whose collective failed (``<save_path>/hang`` by default,
+or ``$FASTDIST_HANG_DIR``): every rank wrote its record there. The report says, per rank, the
+collective it waits in or never entered (the missing ranks) and its Python line, as the failing
+rank logged it; each rank's whole stack is in ``rank<r>.stack.txt`` beside it, and its flight
+recorder buffer in ``rank<r>.fr.json``.
+
+Example:
+    python -m fastdist hang-report save/hang
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from fastdist.distributed.hang_report import describe, read_records
+
+
+def add_parser(commands: Any) -> None:
+    """Register the ``hang-report`` command on the ``python -m fastdist`` sub-parsers."""
+    parser = commands.add_parser(
+        "hang-report",
+        help="turn a job's hang dumps (<save_path>/hang) into one report",
+        description=__doc__.split("\n\nExample")[0] if __doc__ else None,
+    )
+    parser.add_argument("dir", metavar="DIR", help="the dump directory (<save_path>/hang)")
+    parser.add_argument(
+        "--world-size", type=int, help="ranks in the job (default: the highest rank found + 1)"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report; return 0, or 1 with a message on stderr when DIR holds no dumps."""
+    try:
+        records = read_records(args.dir)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"fastdist hang-report: cannot read {args.dir}: {exc}", file=sys.stderr)
+        return 1
+    if not records:
+        print(
+            f"fastdist hang-report: no rank<r>.json in {args.dir}: pass the dump directory of a "
+            "job whose collective failed (<save_path>/hang, or $FASTDIST_HANG_DIR)",
+            file=sys.stderr,
+        )
+        return 1
+    newest = max(record["time"] for record in records.values())
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(newest))
+    print(f"hang report of {args.dir} (dumped at {when}):")
+    print(describe(records, args.world_size))
+    return 0

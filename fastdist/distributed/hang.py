@@ -1,0 +1,245 @@
+"""Each rank's Python line and last collectives at the moment a collective fails.
+
+A daemon thread on every rank (:func:`watch`) waits, on a connection of its own to the
+rendezvous store, for a request. A rank whose collective times out or loses a peer makes one
+(:func:`collect`); every rank then answers with a record: its main thread's Python stack (where
+it is, in a collective or in user code), the last collective it entered in each process group
+(torch's flight recorder, ``TORCH_FR_BUFFER_SIZE``) and its position. A rank that failed answers
+with the stack of its failure. The records come back through the store, for the failing rank's
+report (:mod:`fastdist.distributed.hang_report`), and each rank writes its own under the dump
+directory, for ``python -m fastdist hang-report DIR``:
+
+- ``rank<r>.json``: the record;
+- ``rank<r>.stack.txt``: the stack of the record and faulthandler's dump of every thread;
+- ``rank<r>.fr.json``: the flight recorder's buffer (its last ``TORCH_FR_BUFFER_SIZE`` entries).
+
+Each file is replaced at each request, so a job's dumps stay a few hundred KiB per rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import os
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+import types
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+#: Flight recorder entries each rank keeps (``TORCH_FR_BUFFER_SIZE``, unless set already).
+FR_ENTRIES = 200
+#: How long the failing rank waits for the others' records.
+ANSWER_WAIT_S = 5.0
+#: How long it waits for a rank that answered an earlier request (its earlier record stands in).
+KNOWN_WAIT_S = 0.5
+#: The directory for the dumps when ``save_path`` does not give one (the tool's variable).
+DIR_VAR = "FASTDIST_HANG_DIR"
+
+_COUNT, _REQUEST, _ANSWER = "fastdist/hang/count", "fastdist/hang/request/{}", "fastdist/hang/{}/{}"
+_LIBRARY = tuple(
+    str(Path(p).resolve()) + os.sep
+    for p in (
+        str(Path(__file__).resolve().parents[1]),  # fastdist
+        *(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")),
+    )
+)
+
+
+class _Watch:
+    """This process's watcher: where to write, and the failure it answers with, if any."""
+
+    def __init__(self, store: Any, rank: int, directory: str | None, position: Any) -> None:
+        self.store, self.rank, self.directory, self.position = store, rank, directory, position
+        self.failure: dict[str, Any] | None = None  # this rank's record of its own failure
+        self.written = False  # the first dump of this process stays: it shows the hang
+
+    def run(self) -> None:
+        client, number = self.store.clone(), 1
+        while True:
+            try:  # a day's wait: each timeout prints torch's socket warnings
+                client.wait([_REQUEST.format(number)], datetime.timedelta(days=1))
+                self.answer(client, number, self.failure or self.record(_main_stack()))
+            except dist.DistStoreError as exc:
+                if "timeout" not in str(exc):
+                    return  # the store is gone: the job is over
+                continue  # no request today
+            except Exception:  # the store went while answering
+                return
+            number += 1
+
+    def record(self, stack: traceback.StackSummary, error: str | None = None) -> dict[str, Any]:
+        """This rank's record: its stack (outermost frame first), collectives, position."""
+        return {
+            "rank": self.rank,
+            "time": time.time(),
+            "error": error,
+            "position": self.position(),
+            "stack": [[f.filename, f.lineno, f.name] for f in stack],
+            "collectives": last_collectives(),
+        }
+
+    def answer(self, store: Any, number: int, record: dict[str, Any]) -> None:
+        """Put ``record`` in the store for request ``number`` and write this rank's files."""
+        store.set(_ANSWER.format(number, self.rank), json.dumps(record))
+        self.write(record)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Write this rank's files, unless this process wrote them already."""
+        if self.directory is not None and not self.written:
+            self.written = True
+            _write_files(Path(self.directory), record)
+
+
+_watch: _Watch | None = None
+
+
+def enable_flight_recorder() -> None:
+    """Have torch record the last collectives of the groups formed from now on (a ring of
+    :data:`FR_ENTRIES`), unless ``TORCH_FR_BUFFER_SIZE`` is set (``0`` turns it off)."""
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FR_ENTRIES))
+
+
+def dump_dir(save_path: str | None) -> str | None:
+    """Where the dumps go: ``$FASTDIST_HANG_DIR``, else ``<save_path>/hang``, else nowhere
+    (the failing rank's log still holds the report)."""
+    if os.environ.get(DIR_VAR):
+        return os.environ[DIR_VAR]
+    return None if save_path is None else os.path.join(save_path, "hang")
+
+
+def watch(rank: int, directory: str | None, position: Any) -> None:
+    """Answer requests for this rank's record (from now on; once per process, later calls
+    change the directory and the position, a callable returning a description)."""
+    global _watch
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    if _watch is not None:
+        _watch.directory, _watch.position = directory, position
+        return
+    store = dist.distributed_c10d._get_default_store()
+    _watch = _Watch(store, rank, directory, position)
+    threading.Thread(target=_watch.run, name="fastdist-hang-watch", daemon=True).start()
+
+
+def dump_dir_in_use() -> str | None:
+    """The directory this process writes its dumps to (``None``: none)."""
+    return None if _watch is None else _watch.directory
+
+
+def note_failure(exc: BaseException) -> None:
+    """Keep this rank's record of its failure (the stack where ``exc`` was raised): it answers
+    requests with it, and it is written to the dump directory at once."""
+    if _watch is None:
+        return
+    tb = exc.__traceback__
+    stack = traceback.StackSummary()
+    if tb is not None:  # the callers of the frame that caught it, then the traceback
+        stack = traceback.extract_stack(tb.tb_frame.f_back)
+        stack.extend(traceback.extract_tb(tb))
+    _watch.failure = _watch.record(stack, f"{type(exc).__name__}: {exc}"[:300])
+    _watch.write(_watch.failure)
+
+
+def collect(world_size: int) -> dict[int, dict[str, Any]]:
+    """Ask every rank for its record; return those that came (by rank). A rank that answered
+    an earlier request (its own failure, say) is given :data:`KNOWN_WAIT_S` before its
+    earlier record stands in; the others :data:`ANSWER_WAIT_S`. Empty without a watcher."""
+    if _watch is None:
+        return {}
+    store = _watch.store
+    number = store.add(_COUNT, 1)
+    store.set(_REQUEST.format(number), "")
+    earlier = {r: _earlier_answer(store, number, r) for r in range(world_size)}
+    records: dict[int, dict[str, Any]] = {}
+    start = time.monotonic()
+    while len(records) < world_size:
+        waited = time.monotonic() - start
+        for rank in set(range(world_size)) - set(records):
+            key = _ANSWER.format(number, rank)
+            if store.check([key]):
+                records[rank] = json.loads(store.get(key))
+            elif earlier[rank] is not None and waited > KNOWN_WAIT_S:
+                records[rank] = json.loads(store.get(earlier[rank]))
+        if waited > ANSWER_WAIT_S:
+            break
+        time.sleep(0.05)
+    return records
+
+
+def _earlier_answer(store: Any, number: int, rank: int) -> str | None:
+    """The key of ``rank``'s answer to the newest request before ``number``, if any."""
+    keys = [_ANSWER.format(n, rank) for n in range(number - 1, 0, -1)]
+    return next((key for key in keys if store.check([key])), None)
+
+
+def last_collectives() -> dict[str, dict[str, Any]]:
+    """The last collective this rank entered in each process group (from the flight
+    recorder): ``{"<id> (<name>)": {"seq": n, "name": "gloo:all_reduce", "called_at": ...}}``."""
+    last: dict[str, dict[str, Any]] = {}
+    for entry in _flight_recorder().get("entries", []):
+        if entry.get("is_p2p"):
+            continue
+        number, name = entry["process_group"]
+        last[number if name in ("", "undefined") else f"{number} ({name})"] = {
+            "seq": entry["collective_seq_id"],
+            "name": entry["profiling_name"],
+            "called_at": _caller(entry.get("frames") or []),
+        }
+    return last
+
+
+def is_library(filename: str) -> bool:
+    """Whether ``filename`` is fastdist's, Python's or an installed package's, not the user's."""
+    return filename.startswith("<") or str(Path(filename).resolve()).startswith(_LIBRARY)
+
+
+def _flight_recorder() -> dict[str, Any]:
+    """The flight recorder's buffer as torch dumps it for its analyzer; ``{}`` when it is off."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
+
+        return dict(json.loads(_dump_fr_trace_json(includeCollectives=True)))
+    except Exception:  # no recorder in this torch build, or it is off
+        return {}
+
+
+def _caller(frames: list[dict[str, Any]]) -> str | None:
+    """``file:line in function`` of the innermost frame outside torch (frames innermost first);
+    ``None`` where torch's C++ called it (DDP's gradient buckets)."""
+    for frame in frames:
+        if "/torch/" not in frame["filename"]:
+            return f"{frame['filename']}:{frame['line']} in {frame['name']}"
+    return None
+
+
+def _main_stack() -> traceback.StackSummary:
+    frame: types.FrameType | None = sys._current_frames().get(threading.main_thread().ident or 0)
+    return traceback.extract_stack(frame) if frame is not None else traceback.StackSummary()
+
+
+def _write_files(directory: Path, record: dict[str, Any]) -> None:
+    """This rank's three files under ``directory`` (failures to write are not the job's)."""
+    rank = record["rank"]
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+        with open(directory / f"rank{rank}.stack.txt", "w") as out:
+            what = "its failure" if record["error"] else "the request"
+            out.write(f"rank {rank}, main thread at {what}:\n")
+            frames = [(f, line, name, None) for f, line, name in record["stack"]]
+            out.writelines(traceback.StackSummary.from_list(frames).format())
+            out.write("\nevery thread now (faulthandler):\n")
+            out.flush()
+            faulthandler.dump_traceback(out, all_threads=True)
+        recorded = _flight_recorder()
+        if recorded:
+            (directory / f"rank{rank}.fr.json").write_text(json.dumps(recorded, default=str))
+    except Exception as exc:  # noqa: BLE001 - a dump must never hide the failure it reports
+        print(f"fastdist: could not write the hang dump to {directory}: {exc}", file=sys.stderr)

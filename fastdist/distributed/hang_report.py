@@ -1,0 +1,104 @@
+"""The hang report: per rank, the collective it waits in (or never entered) and its Python line.
+
+Made from the records of :mod:`fastdist.distributed.hang`, the same text in the failing rank's
+log and from ``python -m fastdist hang-report DIR`` (:func:`read_records` reads a dump
+directory). In each process group the newest collective any rank entered is the one the job
+waits in; the ranks whose last collective there is older never entered it: the missing ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fastdist.distributed.hang import is_library
+
+Record = dict[str, Any]
+
+
+def read_records(directory: str | Path) -> dict[int, Record]:
+    """The ``rank<r>.json`` records of a dump directory, by rank."""
+    records = {}
+    for path in sorted(Path(directory).glob("rank*.json")):
+        if path.stem[4:].isdigit():
+            record = json.loads(path.read_text())
+            records[int(record["rank"])] = record
+    return records
+
+
+def describe(records: dict[int, Record], world_size: int | None = None) -> str:
+    """The report of ``records`` (by rank) of a job of ``world_size`` ranks (default: the
+    highest rank recorded + 1)."""
+    world_size = world_size or max(records, default=-1) + 1
+    waited = _waited(records)
+    missing = {
+        group: [r for r, record in records.items() if _seq(record, group) < seq]
+        for group, (seq, _) in waited.items()
+    }
+    if any(missing.values()):  # the groups that wait for someone
+        waited = {group: waited[group] for group in waited if missing[group]}
+    lines = []
+    for rank in range(world_size):
+        record = records.get(rank)
+        if record is None:
+            lines.append(f"  rank {rank}: no record (dead, or not answering)")
+            continue
+        state = f"FAILED with {record['error']}" if record.get("error") else record["position"]
+        lines.append(f"  rank {rank}: {state}")
+        lines.extend(f"    {line}" for line in _collectives(record, waited))
+        lines.append(f"    at {_line(record['stack'])}")
+    for group, (seq, name) in waited.items():
+        if missing[group]:
+            inside = [r for r in records if r not in missing[group]]
+            lines.append(
+                f"  missing ranks: {missing[group]} never entered {name} #{seq} of group "
+                f"{group} (ranks {inside} entered it)"
+            )
+    if not any(r.get("collectives") for r in records.values()):
+        lines.append("  no collectives recorded (the flight recorder is off: TORCH_FR_BUFFER_SIZE)")
+    return "\n".join(lines)
+
+
+def _waited(records: dict[int, Record]) -> dict[str, tuple[int, str]]:
+    """Per process group, the newest collective (number, name) any rank entered."""
+    newest: dict[str, tuple[int, str]] = {}
+    for record in records.values():
+        for group, last in record.get("collectives", {}).items():
+            if last["seq"] > newest.get(group, (-1, ""))[0]:
+                newest[group] = (last["seq"], last["name"])
+    return newest
+
+
+def _seq(record: Record, group: str) -> int:
+    last = record.get("collectives", {}).get(group)
+    return -1 if last is None else int(last["seq"])
+
+
+def _collectives(record: Record, waited: dict[str, tuple[int, str]]) -> list[str]:
+    """Where the rank stands in each group of ``waited``."""
+    lines = []
+    for group, (seq, name) in waited.items():
+        mine = record.get("collectives", {}).get(group)
+        if mine is not None and mine["seq"] == seq:
+            caller = mine["called_at"]
+            called = f", called at {caller}" if caller else ""  # none: from torch's C++ (DDP)
+            lines.append(f"in {name} #{seq} of group {group}{called}")
+        else:
+            last = "none" if mine is None else f"#{mine['seq']}"
+            lines.append(f"never entered {name} #{seq} of group {group} (its last there: {last})")
+    return lines
+
+
+def _line(stack: list[list[Any]]) -> str:
+    """``file:line in function`` of the innermost frame of the user's code, and of the
+    innermost frame if that is elsewhere (stack outermost first)."""
+    if not stack:
+        return "no Python stack"
+    where = [f"{file}:{line} in {name}" for file, line, name in stack]
+    user = [w for w, (file, _, _) in zip(where, stack, strict=True) if not is_library(file)]
+    if not user:
+        return where[-1]
+    if user[-1] == where[-1]:
+        return f"{user[-1]} (your code)"
+    return f"{user[-1]} (your code), innermost {where[-1]}"

@@ -1,0 +1,58 @@
+"""``python -m fastdist check-resume``: a script run through, and killed halfway then resumed.
+
+The script (tests/workers/resume_script.py) runs as a user's would, in one process: the tool
+runs it three times and compares the final checkpoints' models.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from launch import TESTS_DIR, run_python
+
+from fastdist.cli import main as cli_main
+
+SCRIPT = TESTS_DIR / "workers" / "resume_script.py"
+
+
+def _check_resume(tmp_path: Path, *script_args: str) -> tuple[int, str]:
+    tool = ["fastdist", "check-resume", str(SCRIPT), "--updates", "6", "--dir", "runs"]
+    args = [*tool, "--", *script_args] if script_args else tool
+    result = run_python("-m", args, cwd=tmp_path, timeout=240, check=False)
+    return result.returncode, result.output
+
+
+@pytest.mark.slow
+def test_a_resumable_script_passes(tmp_path: Path) -> None:
+    code, output = _check_resume(tmp_path)
+    assert code == 0, output
+    message = "killed at update 3 and resumed, the model at update 6 equals an uninterrupted"
+    assert f"check-resume passed: {message} run's, bit for bit" in output
+    assert not (tmp_path / "runs").exists()  # removed when the check passes
+    assert not (tmp_path / "save").exists()  # the script's own save_path is not used
+
+
+@pytest.mark.slow
+def test_a_random_number_outside_the_trainer_fails_naming_the_parameter(tmp_path: Path) -> None:
+    code, output = _check_resume(tmp_path, "--unresumable")
+    assert code == 1, output
+    assert "check-resume FAILED: the resumed run differs at update 6 in:" in output
+    diff = re.search(r"^  head\.bias: max abs diff ([0-9.e-]+)$", output, re.MULTILINE)
+    assert diff is not None and float(diff.group(1)) > 0, output
+    runs = tmp_path / "runs"
+    assert (runs / "through" / "checkpoints" / "step-00000006.pt").exists()
+    # the killed run left its checkpoint at update 3, from which the third run resumed
+    assert "resumed from" in (runs / "resumed.log").read_text()
+    assert "step-00000003.pt: epoch 1" in (runs / "resumed.log").read_text()
+
+
+def test_bad_arguments_are_refused_naming_them(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["check-resume", str(SCRIPT), "--updates", "5"]) == 2
+    assert "--updates 5: pass an even number >= 2" in capsys.readouterr().err
+    assert cli_main(["check-resume", "missing.py"]) == 2
+    assert "SCRIPT 'missing.py' is not a file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse's usage error
+        cli_main(["env", "--", "x"])
+    assert "only check-resume takes arguments after --" in capsys.readouterr().err
