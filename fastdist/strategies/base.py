@@ -103,6 +103,11 @@ class Strategy:
         """Raise if this strategy cannot run updates of ``update_every`` micro-batches (alike
         on every rank, before any collective)."""
 
+    def check_batches(self, sizes: list[list[int]], update_every: int) -> None:
+        """Raise if this strategy cannot run an epoch whose data shards' batch sizes
+        (samples) are ``sizes``, in updates of ``update_every`` (alike on every rank, before
+        any collective)."""
+
     def setup(
         self,
         model: nn.Module,

@@ -11,6 +11,7 @@ parameters to every rank of the pipeline.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Any
 
@@ -20,16 +21,24 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
-from fastdist.checkpoint import GATHERED, PER_RANK
+from fastdist.checkpoint import GATHERED, PER_RANK, SHARDED
 from fastdist.checks import check_choice, check_int, describe
-from fastdist.distributed import broadcast_object, get_rank, get_world_size
+from fastdist.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
 from fastdist.distributed.dtensor import is_dtensor, is_fsdp_module
 from fastdist.strategies.base import Strategy, Update
 from fastdist.strategies.blocks import checkpoint_blocks
 from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP, switch_parameters
-from fastdist.strategies.pipeline_state import WholeModel, WholeOptimizer, load_whole, whole
-from fastdist.strategies.stages import StageModule, check_cut, plan_stages
+from fastdist.strategies.pipeline_state import (
+    StageOptimizerShards,
+    StageShards,
+    WholeModel,
+    WholeOptimizer,
+    load_whole,
+    whole,
+)
+from fastdist.strategies.stage_check import check_cut, check_gradients
+from fastdist.strategies.stages import StageModule, plan_stages
 from fastdist.strategies.topology import Topology
 
 #: The schedules offered: torch.distributed.pipelining's classes of these names.
@@ -56,13 +65,15 @@ class Pipeline(Strategy):
     An update's ``update_every`` micro-batches are the schedule's micro-batches; their losses
     keep the trainer's weights (a ``(sum, count)`` loss divided by the update's count), the
     schedule does not divide by their number. Every micro-batch of one update must have the
-    same shapes (``drop_last=True`` drops a short last batch); a new stage is set up for each
-    new shape or number of micro-batches (an epoch's short last update, which runs GPipe
-    when it has fewer micro-batches than stages).
+    same shapes (a short last batch in an update of full ones is refused when the trainer is
+    built); a new stage is set up for each new shape or number of micro-batches (an epoch's
+    short last update, which runs GPipe when it has fewer micro-batches than stages).
     Checkpoints hold the whole model and optimizer state, gathered from the stages, as a plain
     or DDP run's do: DDP, one process or another pipeline resumes them, and a pipeline resumes
-    theirs (a checkpoint of FSDP stages: FSDP stages only, so far). Every rank starts from rank
-    0's weights.
+    theirs; FSDP stages write DCP shards as ``FSDP()`` does, which either resumes on any
+    number of ranks. Every rank starts from rank 0's weights; at the first update the stages
+    are checked to compute the whole model's output and gradients
+    (:mod:`~fastdist.strategies.stage_check`).
 
     Example:
         >>> strategy = Pipeline(stages=2, schedule="1f1b", split=None, stage_strategy=DDP())
@@ -147,6 +158,24 @@ class Pipeline(Strategy):
                 f"to {self.stages}, or use schedule='gpipe'"
             )
 
+    def check_batches(self, sizes: list[list[int]], update_every: int) -> None:
+        """Every micro-batch of an update goes through one schedule, so it must have the
+        update's shape: refuse a short last batch in an update with other batches."""
+        longest = max(map(len, sizes), default=0)
+        for shard in sizes:
+            padded = shard + shard[-1:] * (longest - len(shard))  # fillers: the last again
+            for start in range(0, len(padded), update_every):
+                window = padded[start : start + update_every]
+                if len(set(window)) > 1:
+                    raise ValueError(
+                        f"Pipeline runs an update's micro-batches through one schedule, so "
+                        f"they must have one shape, but an epoch's last update would hold "
+                        f"batches of {window} samples (data shards of {sum(shard)} samples, "
+                        f"batch_size_per_gpu={max(shard)}, update_every={update_every}): set "
+                        f"drop_last=True, a batch_size_per_gpu dividing {sum(shard)}, or an "
+                        "update_every that leaves the short batch alone in the last update"
+                    )
+
     def setup(
         self,
         model: nn.Module,
@@ -172,7 +201,11 @@ class Pipeline(Strategy):
         self.plan = plan_stages(model, self.stages, self.split)
         self.index = self.topology.coordinate("pp")
         self.sharded = self.equal_forwards = isinstance(self.stage_strategy, FSDP)
+        # What the first update checks the stages against: the model as built (sharing its
+        # tensors; under FSDP its unsharded ones, held until then).
+        self._unchecked: nn.Module | None = model
         if isinstance(self.stage_strategy, FSDP):
+            self._unchecked = _unsharded_copy(model)
             self._shard(self.stage_strategy, amp)
         self.stage = StageModule(model, self.plan, self.index)
         self._schedules: dict[Any, Any] = {}  # by micro-batches and shapes
@@ -259,7 +292,7 @@ class Pipeline(Strategy):
         if key not in self._schedules:
             from torch.distributed import pipelining
 
-            hidden = check_cut(self.model, self.plan, batches[0], update.forward)
+            hidden = self._check(batches[0], update)
             self._reshard()
             stage = pipelining.PipelineStage(
                 self.module,
@@ -279,6 +312,25 @@ class Pipeline(Strategy):
                 scale_grads=False,
             )
         return self._schedules[key]
+
+    def _check(self, batch: Any, update: Update) -> list[torch.Tensor]:
+        """The activations between the stages (for their shapes); at the first update, on
+        the model as built, also the check that the stages compute the model's output and
+        gradients, refused alike on every rank (one gather of the verdicts) if they do not."""
+        if self._unchecked is None:
+            return check_cut(self.model, self.plan, batch, update.forward)
+        model, self._unchecked = self._unchecked, None
+        hidden: list[torch.Tensor] = []
+        try:
+            hidden = check_cut(model, self.plan, batch, update.forward)
+            check_gradients(model, self.plan, batch, update.forward)
+            verdict = None
+        except ValueError as exc:
+            verdict = str(exc)
+        refused = [v for v in all_gather_object(verdict, self.group) if v is not None]
+        if refused:
+            raise ValueError(refused[0])
+        return hidden
 
     def replicas(self, step: int) -> list[tuple[str, torch.Tensor]]:
         """This stage's parameters, which its replicas hold copies of (none when sharded)."""
@@ -319,7 +371,14 @@ class Pipeline(Strategy):
 
     def checkpoint_parts(self) -> list[tuple[str, Any, str]]:
         """The whole model and optimizer state, gathered from the stages: the checkpoint of a
-        plain or DDP run, which any layout resumes (each stage keeps its own part)."""
+        plain or DDP run, which any layout resumes (each stage keeps its own part). FSDP
+        stages write DCP shards as a plain FSDP run does, which DCP reshards on load."""
+        if self.sharded:
+            return [
+                ("model", StageShards(self), SHARDED),
+                ("optimizer", StageOptimizerShards(self), SHARDED),
+                ("strategy", self, PER_RANK),
+            ]
         return [
             ("model", WholeModel(self), GATHERED),
             ("optimizer", WholeOptimizer(self), GATHERED),
@@ -340,6 +399,13 @@ def _check_stage_strategy(strategy: Any) -> None:
         "local SGD, tensor parallelism, HSDP, CPU offload and FSDP's wrap (a stage shards its "
         "blocks and the modules around them) are not supported under Pipeline yet"
     )
+
+
+def _unsharded_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` sharing its parameters and buffers as they are now (before
+    ``fully_shard`` replaces them: the copy keeps them whole)."""
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return copy.deepcopy(model, memo=shared)
 
 
 def _shapes(batch: Any) -> tuple[Any, ...]:

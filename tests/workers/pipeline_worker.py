@@ -5,7 +5,8 @@ Usage::
     pipeline_worker.py one OUT_DIR   # one process: the plain model
     pipeline_worker.py pp2 OUT_DIR   # torchrun, 2 ranks: Pipeline(stages=2), gpipe and 1f1b;
                                      # DDP resuming the gpipe run's checkpoint, a
-                                     # pipeline resuming one's (run "one" first)
+                                     # pipeline resuming one's, FSDP() resuming pp4's FSDP
+                                     # stages' (run "one" and "pp4" first)
     pipeline_worker.py pp4 OUT_DIR   # torchrun, 4 ranks: 2 stages x 2 replicas (1f1b), DDP
                                      # and FSDP stages
     pipeline_worker.py resume OUT_DIR  # torchrun --max-restarts=1, 2 ranks: rank 1 dies
@@ -70,6 +71,31 @@ class OutsideResidual(Tagger):
         h = self.inp(x)
         for block in self.blocks:
             h = h + block(h)
+        return {"pred": self.out(h).squeeze(-1)}
+
+
+class SkipAll(Tagger):
+    """A skip connection around all the blocks: every stage's output is right, but the last
+    stage recomputes ``inp``, whose gradient through the skip the first stage never gets."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = e = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return {"pred": self.out(h + e).squeeze(-1)}
+
+
+class Scaled(Tagger):
+    """A parameter of the model itself used inside the blocks (of both stages)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h) * self.scale
         return {"pred": self.out(h).squeeze(-1)}
 
 
@@ -186,6 +212,12 @@ def main(argv: list[str]) -> int:
         result["uncut"] = refused(
             lambda: train(Pipeline(stages=2), out / "uncut", model=OutsideResidual())
         )
+        result["skip"] = refused(lambda: train(Pipeline(stages=2), out / "skip", model=SkipAll()))
+        # 30 sequences: 7 batches of 4 and one of 2, the last update mixing them.
+        result["short"] = refused(lambda: train(Pipeline(stages=2), out / "short", n_train=30))
+        # The 4-rank FSDP stages' checkpoint of update 3 (DCP shards) resumed by FSDP() here.
+        sharded = out.parent / "pp4" / "pp_fsdp" / "save" / "checkpoints" / "step-00000003"
+        result["fsdp_from_pp"] = train(FSDP(), out / "fsdp", update_every=2, resume=str(sharded))
     elif mode == "resume":
         result["resumed"] = train(Pipeline(stages=2), out / "resumed", checkpoint_every=1, die_at=5)
     else:
@@ -196,7 +228,7 @@ def main(argv: list[str]) -> int:
         sharded = Pipeline(stages=2, stage_strategy=FSDP())
         result["pp_fsdp"] = train(sharded, out / "pp_fsdp", update_every=2)
         # Its checkpoint of update 3 (sharded stages' parameters and AdamW state), resumed.
-        step3 = out / "pp_fsdp" / "save" / "checkpoints" / "step-00000003.pt"
+        step3 = out / "pp_fsdp" / "save" / "checkpoints" / "step-00000003"
         best = {"resume": str(step3), "load_best_model": True}  # ends with the best model
         resumed = train(sharded, out / "fsdp_resumed", update_every=2, **best)
         result["fsdp_resumed"] = resumed
