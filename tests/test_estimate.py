@@ -14,7 +14,7 @@ from workers.estimate_worker import MoENet, setup
 from fastdist import CrossEntropyLoss, estimate_memory
 from fastdist.cli import main
 from fastdist.estimate import parse_bytes
-from fastdist.strategies import FSDP
+from fastdist.strategies import FSDP, Pipeline
 from fastdist.strategies.blocks import find_blocks
 
 WORKER = Path(__file__).resolve().parent / "workers" / "estimate_worker.py"
@@ -36,6 +36,28 @@ def test_sharding_divides_the_states() -> None:
     assert mesh.peak < fsdp.peak < ddp.peak
     assert next(given["model"].parameters()).device.type == "cpu"  # the model is left as it was
     assert not given["optimizer"].state  # the real optimizer never stepped
+
+
+def test_pipeline_stages_split_the_trained_states() -> None:
+    """Pipeline(stages=2) at 2 ranks: each stage holds the whole model but trains (gradients,
+    AdamW state) its half; 1F1B keeps 2 micro-batches' activations on the first stage, GPipe
+    an update's on both; the estimate is the taller stage's."""
+    given = setup()
+    parts = (given["model"], given["optimizer"], given["batch"])
+    plain = estimate_memory(*parts, "ddp", 1, loss=given["loss"], update_every=4)
+    pipe = estimate_memory(*parts, Pipeline(stages=2), 2, loss=given["loss"], update_every=4)
+    gpipe = Pipeline(stages=2, schedule="gpipe")
+    flat = estimate_memory(*parts, gpipe, 2, loss=given["loss"], update_every=4)
+    first, last = pipe.stages
+    assert (first.strategy, last.strategy) == ("Pipeline() stage 0", "Pipeline() stage 1")
+    assert first.parameters == last.parameters == plain.parameters
+    assert first.gradients + last.gradients == plain.gradients
+    assert first.optimizer + last.optimizer == pytest.approx(plain.optimizer, rel=1e-4)
+    assert first.activations > last.activations  # 2 micro-batches' against 1 (and the loss)
+    assert flat.stages[1].activations > 3 * last.activations  # 4 micro-batches
+    assert pipe.peak == max(first.peak, last.peak) < plain.peak
+    budget = parse_bytes("1GB")
+    assert pipe.max_batch_size(budget) == min(s.max_batch_size(budget) for s in pipe.stages)
 
 
 def test_checkpointing_lowers_the_activations() -> None:
@@ -80,6 +102,16 @@ def test_command_prints_the_table_and_the_largest_batch(capsys: pytest.CaptureFi
         found = estimate_memory(*parts, strategy, 4, loss=given["loss"], update_every=2)
         assert found.peak_at(batch) <= budget < found.peak_at(batch + 1)
     assert fits[0] < fits[1] < fits[2]
+
+
+def test_command_prints_a_column_per_stage(capsys: pytest.CaptureFixture) -> None:
+    assert main(["estimate", SETUP, "--world-size", "4", "--pp", "2"]) == 0
+    header = capsys.readouterr().out.splitlines()[1]
+    columns = ["DDP()", "FSDP()", "Pipeline() stage 0", "Pipeline() stage 1"]
+    assert header.split("  ")[0] == "per rank"
+    assert [c.strip() for c in header.split("  ")[1:] if c.strip()] == columns
+    assert main(["estimate", SETUP, "--world-size", "3", "--pp", "2"]) == 1
+    assert "not a multiple of 2" in capsys.readouterr().err
 
 
 def test_command_reports_bad_input(capsys: pytest.CaptureFixture) -> None:

@@ -25,7 +25,7 @@ from fastdist.checkpoint import GATHERED, PER_RANK, SHARDED
 from fastdist.checks import check_choice, check_int, describe
 from fastdist.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
 from fastdist.distributed.dtensor import is_dtensor, is_fsdp_module
-from fastdist.strategies.base import Strategy, Update
+from fastdist.strategies.base import MemoryShare, Strategy, Update
 from fastdist.strategies.blocks import checkpoint_blocks
 from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP, switch_parameters
@@ -157,6 +157,27 @@ class Pipeline(Strategy):
                 f"but update_every={update_every} < stages={self.stages}: raise update_every "
                 f"to {self.stages}, or use schedule='gpipe'"
             )
+
+    def memory_shares(self, model: nn.Module, update_every: int) -> list[MemoryShare]:
+        """Each stage: its parameters trained (the rest of the model held whole), its blocks
+        run, and the micro-batches whose activations it holds at once (GPipe: all of an
+        update's; 1F1B: ``stages - index`` on stage ``index``)."""
+        plan = plan_stages(model, self.stages, self.split)
+        names = [name for name, _ in model.named_parameters()]
+        last = self.stages - 1
+        return [
+            MemoryShare(
+                label=f"stage {index}",
+                trains=frozenset(n for n in names if plan.owner(n) == index),
+                blocks=tuple(plan.blocks[index]),
+                first=index == 0,
+                last=index == last,
+                kept=update_every
+                if self.schedule == "gpipe"
+                else min(self.stages - index, update_every),
+            )
+            for index in range(self.stages)
+        ]
 
     def check_batches(self, sizes: list[list[int]], update_every: int) -> None:
         """Every micro-batch of an update goes through one schedule, so it must have the

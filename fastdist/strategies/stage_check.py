@@ -74,41 +74,41 @@ def check_gradients(
     activation before it as a leaf, backpropagating the gradient the stage after it returns,
     keeping the gradients of the parameters it holds. Raise a ``ValueError`` naming the
     module whose gradients differ (a stage computes gradients for another stage's
-    parameters, which the pipeline would lose) and the fix. Does not touch ``.grad``."""
+    parameters, which the pipeline would lose) and the fix. Does not touch ``.grad``; holds
+    the gradients of one stage's parameters at a time, twice (the model's and the stage's)."""
     *stages, whole = _stages(model, plan, batch, run)
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
-    params = dict(model.named_parameters())
-    tensors: list[torch.Tensor] = [params[name] for name in names]
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     with torch.enable_grad(), torch.random.fork_rng(_devices(model)):
-        expected = _grads(_weighted(whole()), tensors)
+        expected = _weighted(whole())
         inputs: list[tuple[torch.Tensor, ...]] = []
         outputs: list[Any] = []
         for stage in stages:
             received = () if not outputs else (_leaf(outputs[-1]),)
             inputs.append(received)
             outputs.append(stage(*received))
-        piped: dict[str, torch.Tensor] = {}
-        lost: dict[str, int] = {}  # a parameter's gradient computed on another stage
         upstream: torch.Tensor | None = None
         for index in reversed(range(len(stages))):
-            last = index == len(stages) - 1
-            if not last and upstream is None:
-                continue  # nothing flows back into this stage
-            out = _weighted(outputs[index]) if last else (outputs[index] * upstream).sum()
-            grads = _grads(out, tensors + list(inputs[index]))
-            upstream = grads[len(tensors)] if inputs[index] else None
-            for name, grad in zip(names, grads[: len(tensors)], strict=False):
-                if grad is None or not bool(grad.any()):
-                    continue
-                if plan.owner(name) == index:
-                    piped[name] = piped[name] + grad if name in piped else grad
-                else:
-                    lost.setdefault(name, index)
-    for name, want in zip(names, expected, strict=True):
-        got = piped.get(name)
-        scale = max((g.abs().max().item() for g in expected if g is not None), default=0.0)
-        if not _close(got, want, 1e-5 * scale + 1e-12):
-            raise ValueError(_lost_gradient(model, plan, name, lost.get(name)))
+            own = [(n, p) for n, p in params if plan.owner(n) == index]
+            others = [(n, p) for n, p in params if plan.owner(n) != index]
+            out: torch.Tensor | None = None
+            if index == len(stages) - 1:
+                out = _weighted(outputs[index])
+            elif upstream is not None:
+                out = (outputs[index] * upstream).sum()
+            got = _grads(out, [p for _, p in own + others] + list(inputs[index]))
+            upstream = got[len(params)] if inputs[index] else None
+            lost = [n for (n, _), g in zip(others, got[len(own) :], strict=False) if _some(g)]
+            want = _grads(expected, [p for _, p in own], retain=True)
+            scale = max((float(g.abs().max()) for g in want if g is not None), default=0.0)
+            if lost:
+                raise ValueError(_lost_gradient(model, plan, lost[0], index))
+            for (name, _), grad, wanted in zip(own, got, want, strict=False):
+                if not _close(grad, wanted, 1e-5 * scale + 1e-12):
+                    raise ValueError(_lost_gradient(model, plan, name, None))
+
+
+def _some(grad: torch.Tensor | None) -> bool:
+    return grad is not None and bool(grad.any())
 
 
 def _weighted(output: Any) -> torch.Tensor:
@@ -129,11 +129,13 @@ def _leaf(hidden: torch.Tensor) -> torch.Tensor:
     return hidden.detach().requires_grad_(hidden.is_floating_point())
 
 
-def _grads(out: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+def _grads(
+    out: torch.Tensor | None, inputs: list[torch.Tensor], retain: bool = False
+) -> list[torch.Tensor | None]:
     """``d out / d inputs`` (``None`` where ``out`` does not depend on one)."""
-    if not out.requires_grad:
+    if out is None or not out.requires_grad or not inputs:
         return [None] * len(inputs)
-    return list(torch.autograd.grad(out, inputs, allow_unused=True))
+    return list(torch.autograd.grad(out, inputs, allow_unused=True, retain_graph=retain))
 
 
 def _close(got: torch.Tensor | None, want: torch.Tensor | None, atol: float) -> bool:

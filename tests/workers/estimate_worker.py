@@ -252,7 +252,9 @@ def compare(strategy: Any, world_size: int, data_shards: int) -> dict[str, Any]:
         strategy=strategy,
     )
     measured = held(trainer.model) + training_peak(trainer)
-    return {"estimate": dataclasses.asdict(estimate), "peak": estimate.peak, "measured": measured}
+    peaks = [stage.peak for stage in estimate.stages]  # a pipeline's, stage by stage
+    found = {"estimate": dataclasses.asdict(estimate), "peak": estimate.peak, "peaks": peaks}
+    return {**found, "measured": measured}
 
 
 def setup() -> dict[str, Any]:

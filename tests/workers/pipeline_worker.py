@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from workers import estimate_worker
 from workers.ending import exit_now
 from workers.token_loss_worker import Sequences
 from workers.trainer_worker import refused, write_json
@@ -218,6 +219,8 @@ def main(argv: list[str]) -> int:
         # The 4-rank FSDP stages' checkpoint of update 3 (DCP shards) resumed by FSDP() here.
         sharded = out.parent / "pp4" / "pp_fsdp" / "save" / "checkpoints" / "step-00000003"
         result["fsdp_from_pp"] = train(FSDP(), out / "fsdp", update_every=2, resume=str(sharded))
+        # Per-stage memory, estimated and measured (the launch sets MALLOC_MMAP_THRESHOLD_).
+        result["memory"] = estimate_worker.compare(Pipeline(stages=2), 2, 1)
     elif mode == "resume":
         result["resumed"] = train(Pipeline(stages=2), out / "resumed", checkpoint_every=1, die_at=5)
     else:
