@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
             strategies.append(FSDP(tp=args.tp, tp_plan=setup.get("tp_plan")))
         if args.pp > 1:
             strategies.append(Pipeline(stages=args.pp))
+        for strategy in strategies:  # a world that does not fit: refused before measuring
+            strategy.degrees(args.world_size)
         estimates = [
             estimate_memory(
                 setup["model"],

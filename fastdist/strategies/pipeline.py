@@ -96,9 +96,9 @@ class Pipeline(Strategy):
         check_int("stages", stages, minimum=2)
         if schedule == "interleaved-1f1b":
             raise ValueError(
-                "schedule='interleaved-1f1b' runs several stages per rank, and looped schedules "
-                "hang over gloo (the CPU backend; PiPPy #944); Pipeline runs one stage per "
-                "rank: use schedule='1f1b' or 'gpipe'"
+                "schedule='interleaved-1f1b' runs several stages per rank, which Pipeline does "
+                "not do yet (one stage per rank; torch's ScheduleInterleaved1F1B itself runs "
+                "over gloo and NCCL): use schedule='1f1b' or 'gpipe'"
             )
         check_choice("schedule", schedule, tuple(SCHEDULES))
         if split is not None:

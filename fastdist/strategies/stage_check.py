@@ -157,11 +157,11 @@ def _lost_gradient(model: nn.Module, plan: StagePlan, name: str, stage: int | No
     )
     return (
         f"{type(model).__name__} cut into pipeline stages at {plan.starts()} would train "
-        f"another model: {where}. A value {module} computes reaches the output other than "
-        "through the blocks in order (a skip connection around the blocks), or a parameter "
-        f"is used inside another stage's blocks: keep every path from the inputs to the "
-        f"output through the blocks, hold each parameter in the block that uses it, or pass "
-        f"split=[...] so that the stage holding {module} is the one that uses it"
+        f"another model: {where}. A value computed from {name} reaches the output other "
+        f"than through the blocks in order (a skip connection around them), or {name} is "
+        "used inside another stage's blocks: keep every path from the inputs to the output "
+        "through the blocks, hold each parameter in the block that uses it, or pass "
+        f"split=[...] so that the stage holding {name} runs all that uses it"
     )
 
 

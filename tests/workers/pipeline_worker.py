@@ -220,7 +220,7 @@ def main(argv: list[str]) -> int:
         sharded = out.parent / "pp4" / "pp_fsdp" / "save" / "checkpoints" / "step-00000003"
         result["fsdp_from_pp"] = train(FSDP(), out / "fsdp", update_every=2, resume=str(sharded))
         # Per-stage memory, estimated and measured (the launch sets MALLOC_MMAP_THRESHOLD_).
-        result["memory"] = estimate_worker.compare(Pipeline(stages=2), 2, 1)
+        result["memory"] = estimate_worker.compare(Pipeline(stages=2), 2, 1, size=8)
     elif mode == "resume":
         result["resumed"] = train(Pipeline(stages=2), out / "resumed", checkpoint_every=1, die_at=5)
     else:
