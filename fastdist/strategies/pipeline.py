@@ -11,7 +11,6 @@ parameters to every rank of the pipeline.
 
 from __future__ import annotations
 
-import copy
 import itertools
 from typing import Any
 
@@ -22,13 +21,18 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
 from fastdist.checkpoint import GATHERED, PER_RANK, SHARDED
-from fastdist.checks import check_choice, check_int, describe
+from fastdist.checks import check_choice, check_int
 from fastdist.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
 from fastdist.distributed.dtensor import is_dtensor, is_fsdp_module
 from fastdist.strategies.base import MemoryShare, Strategy, Update
 from fastdist.strategies.blocks import checkpoint_blocks
 from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP, switch_parameters
+from fastdist.strategies.pipeline_checks import (
+    check_one_shape,
+    check_stage_strategy,
+    stage_shares,
+)
 from fastdist.strategies.pipeline_state import (
     StageOptimizerShards,
     StageShards,
@@ -37,7 +41,7 @@ from fastdist.strategies.pipeline_state import (
     load_whole,
     whole,
 )
-from fastdist.strategies.stage_check import check_cut, check_gradients
+from fastdist.strategies.stage_check import check_cut, check_gradients, unsharded_copy
 from fastdist.strategies.stages import StageModule, plan_stages
 from fastdist.strategies.topology import Topology
 
@@ -109,7 +113,7 @@ class Pipeline(Strategy):
                     f"split names where each stage after the first starts: {stages - 1} "
                     f"name(s) for stages={stages}, got {len(split)}: {list(split)}"
                 )
-        _check_stage_strategy(stage_strategy)
+        check_stage_strategy(stage_strategy)
         self.stages, self.schedule = stages, schedule
         self.split = None if split is None else list(split)
         self.stage_strategy = stage_strategy
@@ -159,43 +163,13 @@ class Pipeline(Strategy):
             )
 
     def memory_shares(self, model: nn.Module, update_every: int) -> list[MemoryShare]:
-        """Each stage: its parameters trained (the rest of the model held whole), its blocks
-        run, and the micro-batches whose activations it holds at once (GPipe: all of an
-        update's; 1F1B: ``stages - index`` on stage ``index``)."""
+        """Each stage's share (:func:`~fastdist.strategies.pipeline_checks.stage_shares`)."""
         plan = plan_stages(model, self.stages, self.split)
-        names = [name for name, _ in model.named_parameters()]
-        last = self.stages - 1
-        return [
-            MemoryShare(
-                label=f"stage {index}",
-                trains=frozenset(n for n in names if plan.owner(n) == index),
-                blocks=tuple(plan.blocks[index]),
-                first=index == 0,
-                last=index == last,
-                kept=update_every
-                if self.schedule == "gpipe"
-                else min(self.stages - index, update_every),
-            )
-            for index in range(self.stages)
-        ]
+        return stage_shares(model, plan, self.schedule, update_every)
 
     def check_batches(self, sizes: list[list[int]], update_every: int) -> None:
-        """Every micro-batch of an update goes through one schedule, so it must have the
-        update's shape: refuse a short last batch in an update with other batches."""
-        longest = max(map(len, sizes), default=0)
-        for shard in sizes:
-            padded = shard + shard[-1:] * (longest - len(shard))  # fillers: the last again
-            for start in range(0, len(padded), update_every):
-                window = padded[start : start + update_every]
-                if len(set(window)) > 1:
-                    raise ValueError(
-                        f"Pipeline runs an update's micro-batches through one schedule, so "
-                        f"they must have one shape, but an epoch's last update would hold "
-                        f"batches of {window} samples (data shards of {sum(shard)} samples, "
-                        f"batch_size_per_gpu={max(shard)}, update_every={update_every}): set "
-                        f"drop_last=True, a batch_size_per_gpu dividing {sum(shard)}, or an "
-                        "update_every that leaves the short batch alone in the last update"
-                    )
+        """Refuse a short last batch in an update of full ones (one schedule, one shape)."""
+        check_one_shape(sizes, update_every)
 
     def setup(
         self,
@@ -226,7 +200,7 @@ class Pipeline(Strategy):
         # tensors; under FSDP its unsharded ones, held until then).
         self._unchecked: nn.Module | None = model
         if isinstance(self.stage_strategy, FSDP):
-            self._unchecked = _unsharded_copy(model)
+            self._unchecked = unsharded_copy(model)
             self._shard(self.stage_strategy, amp)
         self.stage = StageModule(model, self.plan, self.index)
         self._schedules: dict[Any, Any] = {}  # by micro-batches and shapes
@@ -405,28 +379,6 @@ class Pipeline(Strategy):
             ("optimizer", WholeOptimizer(self), GATHERED),
             ("strategy", self, PER_RANK),
         ]
-
-
-def _check_stage_strategy(strategy: Any) -> None:
-    """Raise unless ``strategy`` is one a stage can run under (``None``: DDP())."""
-    plain = type(strategy) is DDP and not strategy.comm_hook and not strategy.average_every
-    sharded = type(strategy) is FSDP and strategy.tp == strategy.replicate == 1
-    if strategy is None or plain or (sharded and not strategy.cpu_offload and not strategy.wrap):
-        return
-    raise ValueError(
-        f"stage_strategy must be DDP() (optionally with bucket_cap_mb, find_unused_parameters, "
-        f"static_graph, gradient_as_bucket_view), FSDP() (optionally with "
-        f"reshard_after_forward) or None, got {describe(strategy)}: DDP's communication hooks, "
-        "local SGD, tensor parallelism, HSDP, CPU offload and FSDP's wrap (a stage shards its "
-        "blocks and the modules around them) are not supported under Pipeline yet"
-    )
-
-
-def _unsharded_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` sharing its parameters and buffers as they are now (before
-    ``fully_shard`` replaces them: the copy keeps them whole)."""
-    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-    return copy.deepcopy(model, memo=shared)
 
 
 def _shapes(batch: Any) -> tuple[Any, ...]:

@@ -7,6 +7,7 @@ sharing the model's parameters; the pipeline runs them once, at its first update
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -109,6 +110,13 @@ def check_gradients(
 
 def _some(grad: torch.Tensor | None) -> bool:
     return grad is not None and bool(grad.any())
+
+
+def unsharded_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` sharing its parameters and buffers as they are now (before
+    ``fully_shard`` replaces them: the copy keeps them whole)."""
+    shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return copy.deepcopy(model, memo=shared)
 
 
 def _weighted(output: Any) -> torch.Tensor:
