@@ -320,8 +320,8 @@ class Pipeline(Strategy):
             hidden = check_cut(model, self.plan, batch, update.forward)
             check_gradients(model, self.plan, batch, update.forward)
             verdict = None
-        except ValueError as exc:
-            verdict = str(exc)
+        except Exception as exc:  # agreed first: no rank raises alone and leaves the rest waiting
+            verdict = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         refused = [v for v in all_gather_object(verdict, self.group) if v is not None]
         if refused:
             raise ValueError(refused[0])
