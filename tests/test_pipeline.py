@@ -60,10 +60,16 @@ class Flat(nn.Module):
 @pytest.mark.parametrize(
     "make, words",
     [
-        (lambda: Pipeline(schedule="zero-bubble"), "schedule must be one of 'gpipe', '1f1b'"),
-        (lambda: Pipeline(schedule="interleaved-1f1b"), "which Pipeline does not do yet"),
+        (
+            lambda: Pipeline(schedule="zero-bubble"),
+            "schedule must be one of 'gpipe', '1f1b', 'interleaved",
+        ),
+        (lambda: Pipeline(schedule="interleaved-1f1b", split=["blocks.2"]), "(2 per rank), got 1"),
         (lambda: Pipeline(stages=1), "stages must be an integer >= 2"),
-        (lambda: Pipeline(stages=3, split=["blocks.2"]), "2 name(s) for stages=3, got 1"),
+        (
+            lambda: Pipeline(stages=3, split=["blocks.2"]),
+            "2 name(s) for stages=3 (1 per rank), got 1",
+        ),
         (lambda: Pipeline(stage_strategy=FSDP(replicate=2)), "tensor parallelism, HSDP, CPU"),
         (lambda: checked(Pipeline(stage_strategy=FSDP()), Loose()), "['scale'] belong to none"),
         (lambda: Pipeline(stage_strategy=FSDP(wrap=[nn.Linear])), "FSDP's wrap (a stage shards"),
@@ -222,7 +228,7 @@ def test_two_stages_train_one_process_model(one: dict[str, Any], pp2: list[dict[
     their first update, alike on both ranks; a short last batch in an update of full ones is
     refused as the trainer is built."""
     ranks = pp2
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "interleaved"):
         assert_like_one_process(ranks[0][schedule], one["plain"])
         assert ranks[1][schedule]["eval"] == ranks[0][schedule]["eval"]
         assert ranks[1][schedule]["predict"] is None  # rank 0 gets the outputs

@@ -2,7 +2,8 @@
 ``dp_replicate`` or sharded with FSDP over ``dp_shard``; torch's ``PipelineStage`` and
 schedules run each update.
 
-Each rank runs one stage (:mod:`~fastdist.strategies.stages`); the ranks of one pipeline see
+Each rank runs one stage (:mod:`~fastdist.strategies.stages`; two under
+``"interleaved-1f1b"``); the ranks of one pipeline see
 the same micro-batches, the loss is computed on the last stage. The whole model stays on
 every rank (its own stage's modules sharded under FSDP), only its own stage trained there:
 evaluation, prediction, the best model and ``save_model`` first bring every stage's
@@ -11,6 +12,7 @@ parameters to every rank of the pipeline.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -18,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_leaves
 
 from fastdist.checkpoint import GATHERED, PER_RANK, SHARDED
 from fastdist.checks import check_choice, check_int
@@ -29,8 +30,10 @@ from fastdist.strategies.blocks import checkpoint_blocks
 from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP, switch_parameters
 from fastdist.strategies.pipeline_checks import (
+    LOOPED,
     check_one_shape,
     check_stage_strategy,
+    schedule_class,
     stage_shares,
 )
 from fastdist.strategies.pipeline_state import (
@@ -42,11 +45,8 @@ from fastdist.strategies.pipeline_state import (
     whole,
 )
 from fastdist.strategies.stage_check import check_cut, check_gradients, unsharded_copy
-from fastdist.strategies.stages import StageModule, plan_stages
+from fastdist.strategies.stages import StageModule, batch_shapes, plan_stages, stage_example
 from fastdist.strategies.topology import Topology
-
-#: The schedules offered: torch.distributed.pipelining's classes of these names.
-SCHEDULES: dict[str, str] = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 
 class Pipeline(Strategy):
@@ -56,10 +56,12 @@ class Pipeline(Strategy):
     ``dp_shard``).
 
     Args:
-        stages: pipeline stages, one per rank; it must divide the world size.
+        stages: ranks per pipeline; it must divide the world size.
         schedule: ``"1f1b"`` (one forward, one backward: activations of at most ``stages``
-            micro-batches kept; needs ``update_every >= stages``) or ``"gpipe"`` (all
-            forwards, then all backwards).
+            micro-batches kept; needs ``update_every >= stages``), ``"gpipe"`` (all
+            forwards, then all backwards) or ``"interleaved-1f1b"`` (the model cut into
+            ``2 x stages`` stages, rank ``r`` running stages ``r`` and ``r + stages``: a
+            smaller bubble, more sends; needs ``update_every >= stages``).
         split: the first block of every stage after the first (``["layers.4"]``), blocks of
             one ``nn.ModuleList``/``nn.ModuleDict``; ``None``: that list's blocks split evenly.
         stage_strategy: how each stage is replicated: ``DDP()`` (the default, ``None``) over
@@ -98,20 +100,17 @@ class Pipeline(Strategy):
         stage_strategy: Strategy | None = None,
     ) -> None:
         check_int("stages", stages, minimum=2)
-        if schedule == "interleaved-1f1b":
-            raise ValueError(
-                "schedule='interleaved-1f1b' runs several stages per rank, which Pipeline does "
-                "not do yet (one stage per rank; torch's ScheduleInterleaved1F1B itself runs "
-                "over gloo and NCCL): use schedule='1f1b' or 'gpipe'"
-            )
-        check_choice("schedule", schedule, tuple(SCHEDULES))
+        check_choice("schedule", schedule, ("gpipe", "1f1b", "interleaved-1f1b"))
+        self.per_rank = LOOPED if schedule == "interleaved-1f1b" else 1
+        self.cuts = stages * self.per_rank  # the model's stages
         if split is not None:
             if not isinstance(split, (list, tuple)) or not all(isinstance(s, str) for s in split):
                 raise TypeError(f"split must be a list of module names or None, got {split!r}")
-            if len(split) != stages - 1:
+            if len(split) != self.cuts - 1:
                 raise ValueError(
-                    f"split names where each stage after the first starts: {stages - 1} "
-                    f"name(s) for stages={stages}, got {len(split)}: {list(split)}"
+                    f"split names where each stage after the first starts: {self.cuts - 1} "
+                    f"name(s) for stages={stages} ({self.per_rank} per rank), got "
+                    f"{len(split)}: {list(split)}"
                 )
         check_stage_strategy(stage_strategy)
         self.stages, self.schedule = stages, schedule
@@ -137,10 +136,10 @@ class Pipeline(Strategy):
         device: torch.device,
         amp: str | None,
     ) -> None:
-        plan = plan_stages(model, self.stages, self.split)
+        plan = plan_stages(model, self.cuts, self.split)
         if isinstance(self.stage_strategy, FSDP):
             self.stage_strategy.check(model, optimizer, device, None)  # a fresh optimizer
-            units = [unit for index in range(self.stages) for unit in plan.units(index)]
+            units = [unit for index in range(self.cuts) for unit in plan.units(index)]
             loose = [n for n, _ in model.named_parameters() if not n.startswith(tuple(units))]
             if loose:
                 raise ValueError(
@@ -155,17 +154,17 @@ class Pipeline(Strategy):
         self.degrees(get_world_size())
 
     def check_window(self, update_every: int) -> None:
-        if self.schedule == "1f1b" and update_every < self.stages:
+        if self.schedule != "gpipe" and update_every < self.stages:
             raise ValueError(
-                f"schedule='1f1b' needs at least as many micro-batches per update as stages, "
-                f"but update_every={update_every} < stages={self.stages}: raise update_every "
-                f"to {self.stages}, or use schedule='gpipe'"
+                f"schedule={self.schedule!r} needs at least as many micro-batches per update "
+                f"as stages, but update_every={update_every} < stages={self.stages}: raise "
+                f"update_every to {self.stages}, or use schedule='gpipe'"
             )
 
     def memory_shares(self, model: nn.Module, update_every: int) -> list[MemoryShare]:
         """Each stage's share (:func:`~fastdist.strategies.pipeline_checks.stage_shares`)."""
-        plan = plan_stages(model, self.stages, self.split)
-        return stage_shares(model, plan, self.schedule, update_every)
+        plan = plan_stages(model, self.cuts, self.split)
+        return stage_shares(model, plan, self.schedule, update_every, self.stages)
 
     def check_batches(self, sizes: list[list[int]], update_every: int) -> None:
         """Refuse a short last batch in an update of full ones (one schedule, one shape)."""
@@ -193,8 +192,9 @@ class Pipeline(Strategy):
             for tensor in itertools.chain(model.parameters(), model.buffers()):
                 dist.broadcast(tensor, src=0, group=group)
         checkpoint_blocks(model, self.blocks(model), checkpointing)
-        self.plan = plan_stages(model, self.stages, self.split)
+        self.plan = plan_stages(model, self.cuts, self.split)
         self.index = self.topology.coordinate("pp")
+        self.local = [self.index + k * self.stages for k in range(self.per_rank)]
         self.sharded = self.equal_forwards = isinstance(self.stage_strategy, FSDP)
         # What the first update checks the stages against: the model as built (sharing its
         # tensors; under FSDP its unsharded ones, held until then).
@@ -202,16 +202,18 @@ class Pipeline(Strategy):
         if isinstance(self.stage_strategy, FSDP):
             self._unchecked = unsharded_copy(model)
             self._shard(self.stage_strategy, amp)
-        self.stage = StageModule(model, self.plan, self.index)
+        self.stage_modules = [StageModule(model, self.plan, index) for index in self.local]
         self._schedules: dict[Any, Any] = {}  # by micro-batches and shapes
         names = {id(p): name for name, p in model.named_parameters()}
         # The user's groups by name (what a checkpoint holds), then this stage's part of them.
         self.groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         for group_ in optimizer.param_groups:
             group_["params"] = [p for p in group_["params"] if self.owns(names[id(p)])]
-        self.module = self.stage
+        self.modules: list[nn.Module] = list(self.stage_modules)
         if self.topology.size("dp_replicate") > 1:
-            self.module = self._replicate(self.stage)
+            pairs = zip(self.stage_modules, self.local, strict=True)
+            self.modules = [self._replicate(module, index) for module, index in pairs]
+        self.module = self.modules[0]
         return optimizer
 
     def _shard(self, options: FSDP, amp: str | None) -> None:
@@ -221,7 +223,7 @@ class Pipeline(Strategy):
 
         old_names = {id(p): name for name, p in self.model.named_parameters()}
         keywords = options.shard_options(self.topology.mesh("dp_shard"), amp)
-        for unit in self.plan.units(self.index):
+        for unit in (unit for index in self.local for unit in self.plan.units(index)):
             module = self.model.get_submodule(unit)
             if any(True for _ in module.parameters()):
                 fully_shard(module, **keywords)
@@ -234,13 +236,13 @@ class Pipeline(Strategy):
             if is_fsdp_module(module):
                 module.reshard()
 
-    def _replicate(self, stage: StageModule) -> DistributedDataParallel:
-        """DDP over this stage's replicas, blind to the other stages' parameters."""
+    def _replicate(self, stage: StageModule, index: int) -> DistributedDataParallel:
+        """DDP over stage ``index``'s replicas, blind to the other stages' parameters."""
         options = self.stage_strategy if isinstance(self.stage_strategy, DDP) else DDP()
         others = [
             name
             for name, _ in itertools.chain(stage.named_parameters(), stage.named_buffers())
-            if not self.owns(name.removeprefix("model."))
+            if self.plan.owner(name.removeprefix("model.")) != index
         ]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(stage, others)
         extra: dict[str, Any] = {}
@@ -257,18 +259,19 @@ class Pipeline(Strategy):
         )
 
     def owns(self, name: str) -> bool:
-        """Whether this rank's stage holds the parameter or buffer ``name``."""
-        return self.plan.owner(name) == self.index
+        """Whether this rank's stages hold the parameter or buffer ``name``."""
+        return self.plan.owner(name) % self.stages == self.index
 
     def forward_backward(self, update: Update) -> None:
         """Every micro-batch of the update through the schedule's ``step``."""
         batches = list(update)
         schedule = self._schedule(batches, update)
-        stage = self.stage
-        stage.model.train(self.model.training)
-        # Each micro-batch runs in its own mode (eval for a filler); their losses in order.
-        stage.begin(batches, lambda module, batch: update.forward(module, batch, stage.count - 1))
-        self._loss = lambda output, i: update.loss(stage.output(i, output), batches[i])
+        for stage in self.stage_modules:
+            stage.model.train(self.model.training)
+            # Each micro-batch runs in its own mode (eval for a filler); losses in order.
+            stage.begin(batches, functools.partial(_run, update, stage))
+        last = self.stage_modules[-1]  # the model's last stage, on the pipeline's last rank
+        self._loss = lambda output, i: update.loss(last.output(i, output), batches[i])
         schedule.step(target=torch.arange(len(batches)), return_outputs=False)
         for _ in batches:
             update.end()
@@ -276,7 +279,7 @@ class Pipeline(Strategy):
     def _schedule(self, batches: list[Any], update: Update) -> Any:
         """The schedule of updates of ``len(batches)`` micro-batches of these shapes (made at
         the first such update: a stage of static shapes, found by running the stages)."""
-        shapes = [_shapes(batch) for batch in batches]
+        shapes = [batch_shapes(batch) for batch in batches]
         if any(s != shapes[0] for s in shapes):
             raise ValueError(
                 "the micro-batches of one update differ in shape, which a pipeline stage cannot "
@@ -289,19 +292,23 @@ class Pipeline(Strategy):
 
             hidden = self._check(batches[0], update)
             self._reshard()
-            stage = pipelining.PipelineStage(
-                self.module,
-                self.index,
-                self.stages,
-                self.device,
-                input_args=() if self.index == 0 else _example(hidden[self.index - 1]),
-                output_args=_example(hidden[self.index]),
-                group=self.topology.mesh("pp").get_group(),
+            stages = [
+                pipelining.PipelineStage(
+                    module,
+                    index,
+                    self.cuts,
+                    self.device,
+                    input_args=() if index == 0 else stage_example(hidden[index - 1]),
+                    output_args=stage_example(hidden[index]),
+                    group=self.topology.mesh("pp").get_group(),
+                )
+                for module, index in zip(self.modules, self.local, strict=True)
+            ]
+            kind = getattr(
+                pipelining, schedule_class(self.schedule, len(batches), self.stages, self.per_rank)
             )
-            name = self.schedule if len(batches) >= self.stages else "gpipe"
-            kind = getattr(pipelining, SCHEDULES[name])
             self._schedules[key] = kind(
-                stage,
+                stages if self.per_rank > 1 else stages[0],
                 len(batches),
                 loss_fn=lambda out, i: self._loss(out, int(i)),
                 scale_grads=False,
@@ -341,7 +348,8 @@ class Pipeline(Strategy):
         with torch.no_grad():
             for name, tensor in tensors:  # this stage's sharded ones gathered first
                 value = tensor.full_tensor() if is_dtensor(tensor) else tensor
-                dist.broadcast(value, src=ranks[self.plan.owner(name)], group=group)
+                src = ranks[self.plan.owner(name) % self.stages]
+                dist.broadcast(value, src=src, group=group)
 
     def before_evaluation(self) -> None:
         """The whole model on every rank (every stage's parameters), rank 0's buffers."""
@@ -381,15 +389,6 @@ class Pipeline(Strategy):
         ]
 
 
-def _shapes(batch: Any) -> tuple[Any, ...]:
-    """The shapes and dtypes of the tensors of ``batch`` (dicts, lists, tuples)."""
-    leaves = tree_leaves(batch)
-    return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
-
-
-def _example(hidden: Any) -> Any:
-    """An activation of ``hidden``'s shape as it flows in training (requiring gradients); for
-    the last stage's output (a tuple of tensors, not sent), as many placeholders."""
-    if isinstance(hidden, tuple):
-        return tuple(torch.empty(0) for _ in hidden)
-    return torch.empty_like(hidden).requires_grad_(hidden.is_floating_point())
+def _run(update: Update, stage: StageModule, module: nn.Module, batch: Any) -> Any:
+    """``stage``'s forward of its latest micro-batch, as the loop runs it."""
+    return update.forward(module, batch, stage.count - 1)

@@ -1,6 +1,7 @@
-"""The pipeline's rules that need no process group: which stage strategies it takes, the one
-shape of an update's micro-batches, and what each stage trains and keeps (the memory
-estimate's question, :meth:`~fastdist.strategies.base.Strategy.memory_shares`)."""
+"""The pipeline's rules that need no process group: which stage strategies it takes, which
+schedule runs an update, the one shape of an update's micro-batches, and what each stage
+trains and keeps (the memory estimate's question,
+:meth:`~fastdist.strategies.base.Strategy.memory_shares`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,27 @@ from fastdist.strategies.base import MemoryShare
 from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP
 from fastdist.strategies.stages import StagePlan
+
+#: torch.distributed.pipelining's schedule classes by name (a looped schedule runs several
+#: stages per rank; LoopedBFS is GPipe's).
+SCHEDULES: dict[str, str] = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "looped-gpipe": "ScheduleLoopedBFS",
+}
+#: Stages each rank runs under a looped schedule.
+LOOPED = 2
+
+
+def schedule_class(schedule: str, n: int, ranks: int, per_rank: int) -> str:
+    """The class of torch's schedule for updates of ``n`` micro-batches over ``ranks`` ranks
+    of ``per_rank`` stages each: (looped) GPipe for fewer micro-batches than ranks, and for
+    counts interleaved 1F1B cannot split into rounds of ``ranks``; else ``schedule``'s."""
+    rounds = max(1, n // ranks)
+    if n < ranks or (per_rank > 1 and n % rounds):
+        schedule = "looped-gpipe" if per_rank > 1 else "gpipe"
+    return SCHEDULES[schedule]
 
 
 def check_stage_strategy(strategy: Any) -> None:
@@ -51,21 +73,21 @@ def check_one_shape(sizes: list[list[int]], update_every: int) -> None:
 
 
 def stage_shares(
-    model: nn.Module, plan: StagePlan, schedule: str, update_every: int
+    model: nn.Module, plan: StagePlan, schedule: str, update_every: int, ranks: int
 ) -> list[MemoryShare]:
-    """Each stage: its parameters trained (the rest of the model held whole), its blocks run,
-    and the micro-batches whose activations it holds at once (GPipe: all of an update's;
-    1F1B: ``stages - index`` on stage ``index``)."""
+    """Each of the ``ranks`` ranks of a pipeline (stage ``s`` on rank ``s % ranks``): its
+    parameters trained (the rest of the model held whole), its blocks run, and the
+    micro-batches whose activations it holds at once (GPipe: all of an update's; 1F1B:
+    ``ranks - rank`` on rank ``rank``; interleaved, roughly as 1F1B)."""
     names = [name for name, _ in model.named_parameters()]
-    stages = len(plan.blocks)
     return [
         MemoryShare(
-            label=f"stage {index}",
-            trains=frozenset(n for n in names if plan.owner(n) == index),
-            blocks=tuple(plan.blocks[index]),
-            first=index == 0,
-            last=index == stages - 1,
-            kept=update_every if schedule == "gpipe" else min(stages - index, update_every),
+            label=f"stage {rank}" if ranks == len(plan.blocks) else f"pp rank {rank}",
+            trains=frozenset(n for n in names if plan.owner(n) % ranks == rank),
+            blocks=tuple(b for s in range(rank, len(plan.blocks), ranks) for b in plan.blocks[s]),
+            first=rank == 0,
+            last=rank == ranks - 1,
+            kept=update_every if schedule == "gpipe" else min(ranks - rank, update_every),
         )
-        for index in range(stages)
+        for rank in range(ranks)
     ]

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from fastdist.distributed.dtensor import is_fsdp_module
 
@@ -261,3 +261,17 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def _stop(module: nn.Module, args: tuple[Any, ...]) -> None:
     raise Boundary(args[0])
+
+
+def batch_shapes(batch: Any) -> tuple[Any, ...]:
+    """The shapes and dtypes of the tensors of ``batch`` (dicts, lists, tuples)."""
+    leaves = tree_leaves(batch)
+    return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
+
+
+def stage_example(hidden: Any) -> Any:
+    """An activation of ``hidden``'s shape as it flows in training (requiring gradients); for
+    the last stage's output (a tuple of tensors, not sent), as many placeholders."""
+    if isinstance(hidden, tuple):
+        return tuple(torch.empty(0) for _ in hidden)
+    return torch.empty_like(hidden).requires_grad_(hidden.is_floating_point())

@@ -201,6 +201,9 @@ def main(argv: list[str]) -> int:
         result["uneven"] = train("ddp", out / "uneven", n_train=UNEVEN)
     elif mode == "pp2":
         result["gpipe"] = train(Pipeline(stages=2, schedule="gpipe"), out / "gpipe")
+        # 2 stages per rank (one block each), interleaved; the epoch's last update LoopedBFS.
+        interleaved = Pipeline(stages=2, schedule="interleaved-1f1b")
+        result["interleaved"] = train(interleaved, out / "interleaved")
         one_f_one_b, model = Pipeline(stages=2, schedule="1f1b"), loaded_on_rank_zero()
         result["1f1b"] = train(one_f_one_b, out / "1f1b", model=model)
         # The pipeline's checkpoint of update 3 (the end of epoch 1) resumed by DDP at 2 ranks.
