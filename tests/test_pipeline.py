@@ -253,13 +253,14 @@ def test_two_stages_by_two_replicas(
     one: dict[str, Any], pp4: list[dict[str, Any]], pp2: list[dict[str, Any]], out: Path
 ) -> None:
     """4 ranks as 2 pipelines of 2 stages: split=["blocks.1"] (1 block, then 3) with DDP
-    between the replicas of each stage, whose parameters check_sync_every compares; FSDP
+    between the replicas of each stage, whose parameters check_sync_every compares, and
+    interleaved 1F1B (2 stages per rank, each with its own DDP); FSDP
     stages (pp=2 x dp_shard=2), and a run resuming their checkpoint of update 3 that ends by
     loading its best model into the sharded stages; data shards of 17 and 16 sequences, the
     second's last micro-batch a filler (it weighs nothing); FSDP() at 2 ranks (the 2-rank
     world) resumes the FSDP stages' checkpoint of update 3, DCP resharding it."""
     ranks = pp4
-    for run in ("pp_dp", "pp_fsdp", "fsdp_resumed"):
+    for run in ("pp_dp", "pp_inter", "pp_fsdp", "fsdp_resumed"):
         assert_like_one_process(ranks[0][run], one["plain"], best=run == "fsdp_resumed")
         assert {r[run]["eval"]["loss"] for r in ranks} == {ranks[0][run]["eval"]["loss"]}
     assert ranks[0]["fsdp_resumed"]["start_step"] == 3

@@ -229,6 +229,9 @@ def main(argv: list[str]) -> int:
     else:
         strategy = Pipeline(stages=2, schedule="1f1b", split=["blocks.1"])
         result["pp_dp"] = train(strategy, out / "pp_dp", update_every=2, check_sync_every=1)
+        # Interleaved: 2 stages per rank, each replicated by its own DDP over 2 pipelines.
+        looped = Pipeline(stages=2, schedule="interleaved-1f1b")
+        result["pp_inter"] = train(looped, out / "pp_inter", update_every=2, check_sync_every=1)
         # 33 sequences: data shards of 17 and 16, so the second's last update is a filler.
         result["uneven"] = train(Pipeline(stages=2), out / "uneven", update_every=2, n_train=UNEVEN)
         sharded = Pipeline(stages=2, stage_strategy=FSDP())
