@@ -14,7 +14,7 @@ from workers.estimate_worker import MoENet, setup
 from fastdist import CrossEntropyLoss, estimate_memory
 from fastdist.cli import main
 from fastdist.estimate import parse_bytes
-from fastdist.strategies import FSDP
+from fastdist.strategies import FSDP, Pipeline
 from fastdist.strategies.blocks import find_blocks
 
 WORKER = Path(__file__).resolve().parent / "workers" / "estimate_worker.py"
@@ -36,6 +36,29 @@ def test_sharding_divides_the_states() -> None:
     assert mesh.peak < fsdp.peak < ddp.peak
     assert next(given["model"].parameters()).device.type == "cpu"  # the model is left as it was
     assert not given["optimizer"].state  # the real optimizer never stepped
+
+
+def test_pipeline_stages_split_the_trained_states() -> None:
+    """Pipeline(stages=2) at 2 ranks: each stage holds the whole model but trains (gradients,
+    AdamW state) its half; 1F1B keeps 2 micro-batches' activations on the first stage, GPipe
+    an update's on both; the estimate is the taller stage's."""
+    given = setup()
+    x, y = given["batch"]
+    parts = (given["model"], given["optimizer"], (x[:8], y[:8]))
+    plain = estimate_memory(*parts, "ddp", 1, loss=given["loss"], update_every=4)
+    pipe = estimate_memory(*parts, Pipeline(stages=2), 2, loss=given["loss"], update_every=4)
+    gpipe = Pipeline(stages=2, schedule="gpipe")
+    flat = estimate_memory(*parts, gpipe, 2, loss=given["loss"], update_every=4)
+    first, last = pipe.stages
+    assert (first.strategy, last.strategy) == ("Pipeline() stage 0", "Pipeline() stage 1")
+    assert first.parameters == last.parameters == plain.parameters
+    assert first.gradients + last.gradients == plain.gradients
+    assert first.optimizer + last.optimizer == pytest.approx(plain.optimizer, rel=1e-4)
+    assert first.activations > last.activations  # 2 micro-batches' against 1 (and the loss)
+    assert flat.stages[1].activations > 3 * last.activations  # 4 micro-batches
+    assert pipe.peak == max(first.peak, last.peak) < plain.peak
+    budget = parse_bytes("1GB")
+    assert pipe.max_batch_size(budget) == min(s.max_batch_size(budget) for s in pipe.stages)
 
 
 def test_checkpointing_lowers_the_activations() -> None:
@@ -64,14 +87,16 @@ def test_experts_are_part_of_their_block() -> None:
 
 def test_command_prints_the_table_and_the_largest_batch(capsys: pytest.CaptureFixture) -> None:
     args = ["estimate", SETUP, "--world-size", "4", "--tp", "2", "--update-every", "2"]
-    assert main([*args, "--memory", "1GB"]) == 0
+    assert main([*args, "--pp", "2", "--memory", "1GB"]) == 0
     printed = capsys.readouterr().out
     lines = printed.splitlines()
     assert lines[0] == "world size 4, batch_size_per_gpu 64, update_every 2"
-    assert lines[1].split() == ["per", "rank", "DDP()", "FSDP()", "FSDP(tp=2)"]
+    columns = [c.strip() for c in lines[1].split("  ") if c.strip()]  # one per pipeline stage
+    stages = ["Pipeline() stage 0", "Pipeline() stage 1"]
+    assert columns == ["per rank", "DDP()", "FSDP()", "FSDP(tp=2)", *stages]
     for label in ("parameters", "gradients", "optimizer state", "activations", "peak"):
         assert any(line.startswith(label) for line in lines), printed
-    fits = [int(n) for n in lines[-1].split()[-3:]]
+    fits = [int(n) for n in lines[-1].split()[-5:-2]]
     assert lines[-1].startswith("max batch in 1 GB")
     given = setup()
     parts = (given["model"], given["optimizer"], given["batch"])
@@ -89,6 +114,8 @@ def test_command_reports_bad_input(capsys: pytest.CaptureFixture) -> None:
     assert "module:function" in capsys.readouterr().err
     assert main(["estimate", SETUP, "--world-size", "3", "--tp", "2"]) == 1
     assert "not a multiple of tp=2" in capsys.readouterr().err
+    assert main(["estimate", SETUP, "--world-size", "3", "--pp", "2"]) == 1
+    assert "not a multiple of 2" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -20,14 +20,18 @@ from workers.pipeline_worker import (
     WIDTH,
     HeadFirst,
     OutsideResidual,
+    Scaled,
     Sequences,
+    SkipAll,
     Tagger,
     flat,
     token_loss,
 )
 
-from fastdist import DDP, FSDP, DistTrainer, Pipeline, estimate_memory
-from fastdist.strategies.stages import check_cut, plan_stages
+from fastdist import DDP, FSDP, DistTrainer, Pipeline
+from fastdist.cli import main
+from fastdist.strategies.stage_check import check_cut, check_gradients
+from fastdist.strategies.stages import plan_stages
 
 WORKER = Path(__file__).resolve().parent / "workers" / "pipeline_worker.py"
 
@@ -56,22 +60,29 @@ class Flat(nn.Module):
 @pytest.mark.parametrize(
     "make, words",
     [
-        (lambda: Pipeline(schedule="zero-bubble"), "schedule must be one of 'gpipe', '1f1b'"),
-        (lambda: Pipeline(schedule="interleaved-1f1b"), "hang over gloo (the CPU backend"),
+        (
+            lambda: Pipeline(schedule="zero-bubble"),
+            "schedule must be one of 'gpipe', '1f1b', 'interleaved",
+        ),
+        (lambda: Pipeline(schedule="interleaved-1f1b", split=["blocks.2"]), "(2 per rank), got 1"),
         (lambda: Pipeline(stages=1), "stages must be an integer >= 2"),
-        (lambda: Pipeline(stages=3, split=["blocks.2"]), "2 name(s) for stages=3, got 1"),
+        (
+            lambda: Pipeline(stages=3, split=["blocks.2"]),
+            "2 name(s) for stages=3 (1 per rank), got 1",
+        ),
         (lambda: Pipeline(stage_strategy=FSDP(replicate=2)), "tensor parallelism, HSDP, CPU"),
         (lambda: checked(Pipeline(stage_strategy=FSDP()), Loose()), "['scale'] belong to none"),
         (lambda: Pipeline(stage_strategy=FSDP(wrap=[nn.Linear])), "FSDP's wrap (a stage shards"),
         (lambda: Pipeline(stage_strategy=DDP(comm_hook="fp16")), "stage_strategy must be DDP()"),
         (lambda: Pipeline(stages=3).degrees(4), "not a multiple of 3: launch a multiple of 3"),
         (lambda: Pipeline().check_window(1), "update_every=1 < stages=2: raise update_every"),
+        (lambda: Pipeline().check_batches([[4] * 7 + [2]], 4), "of [4, 4, 4, 2] samples"),
+        (lambda: Pipeline().check_batches([[4, 4, 3], [4, 4]], 3), "batch_size_per_gpu dividing"),
         (lambda: plan_stages(Tagger(), 2, ["blocks.9"]), "names ['blocks.9'], which Tagger"),
         (lambda: plan_stages(Tagger(), 2, ["inp"]), "must name blocks of one nn.ModuleList"),
         (lambda: plan_stages(Tagger(), 2, ["blocks.0"]), "blocks: blocks: blocks.0 ... blocks.3"),
         (lambda: plan_stages(Tagger(), 5, None), "needs at least 5 blocks"),
         (lambda: plan_stages(Flat(), 2, None), "put its layers in an nn.ModuleList"),
-        (lambda: estimate_memory(Tagger(), None, None, Pipeline(), 2), "pipeline stages yet"),
     ],
 )
 def test_bad_pipelines_are_refused(make: Any, words: str) -> None:
@@ -137,6 +148,30 @@ def test_a_model_is_cut_only_where_its_stages_compute_its_output() -> None:
         check_cut(HeadFirst(), plan_stages(HeadFirst(), 2, None), batch, run)
 
 
+def test_a_model_is_cut_only_where_its_stages_compute_its_gradients() -> None:
+    """check_gradients, in process: Tagger's stages give its gradients (and .grad is left
+    untouched); a skip connection around all the blocks, or a parameter of the model itself
+    used in the blocks, computes the right output (check_cut passes) but gradients a stage
+    other than the one holding the parameter computes, which the pipeline would lose: both
+    refused, naming the module and split=."""
+    batch = {"x": Sequences(4).x[:4]}
+
+    def run(module: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        return module(batch["x"])
+
+    model = Tagger()
+    check_gradients(model, plan_stages(model, 2, None), batch, run)
+    assert all(p.grad is None for p in model.parameters())
+    for cls, module in ((SkipAll, "inp.weight (inp)"), (Scaled, "scale (Scaled itself)")):
+        model = cls()
+        plan = plan_stages(model, 2, None)
+        check_cut(model, plan, batch, run)  # the output is right
+        with pytest.raises(ValueError) as caught:
+            check_gradients(model, plan, batch, run)
+        words = f"pipeline stage 1 computes a gradient for {module}, but stage 0 holds"
+        assert words in str(caught.value) and "split=[...]" in str(caught.value)
+
+
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("pipeline")
@@ -166,16 +201,34 @@ def assert_like_one_process(run: dict[str, Any], one: dict[str, Any], best: bool
     torch.testing.assert_close(torch.tensor(preds[0]), torch.tensor(preds[1]), rtol=0, atol=1e-12)
 
 
+@pytest.fixture(scope="module")
+def pp4(one: dict[str, Any], out: Path) -> list[dict[str, Any]]:
+    """The 4-rank world (after the one-process run, whose results it is held against)."""
+    _, ranks = run_ranks(WORKER, 4, ["pp4", str(out)], out / "pp4", True, cwd=out, timeout=240)
+    return ranks
+
+
+@pytest.fixture(scope="module")
+def pp2(pp4: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:
+    """The 2-rank world, which resumes the 4-rank world's FSDP stages' checkpoint."""
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors leave the resident memory
+    args = (WORKER, 2, ["pp2", str(out)], out / "pp2", True)
+    _, ranks = run_ranks(*args, cwd=out, timeout=180, env=env)
+    return ranks
+
+
 @pytest.mark.slow
-def test_two_stages_train_one_process_model(one: dict[str, Any], out: Path) -> None:
+def test_two_stages_train_one_process_model(one: dict[str, Any], pp2: list[dict[str, Any]]) -> None:
     """Pipeline(stages=2) with GPipe and 1F1B at 2 ranks (an epoch's last update, of one
     micro-batch, runs GPipe; 1F1B's model has rank 0's weights only: rank 1's are noise); DDP
     at 2 ranks resumes the GPipe run's checkpoint of update 3 (the whole model and optimizer
     state, gathered from the stages), and a pipeline one process's, ending with its best model
-    loaded; a model whose residual connections skip its blocks is refused at its first update,
-    alike on both ranks."""
-    _, ranks = run_ranks(WORKER, 2, ["pp2", str(out)], out / "pp2", True, cwd=out, timeout=180)
-    for schedule in ("gpipe", "1f1b"):
+    loaded; a model whose residual connections skip its blocks, and one with a skip
+    connection around all of them (whose gradients the stages would lose), are refused at
+    their first update, alike on both ranks; a short last batch in an update of full ones is
+    refused as the trainer is built."""
+    ranks = pp2
+    for schedule in ("gpipe", "1f1b", "interleaved"):
         assert_like_one_process(ranks[0][schedule], one["plain"])
         assert ranks[1][schedule]["eval"] == ranks[0][schedule]["eval"]
         assert ranks[1][schedule]["predict"] is None  # rank 0 gets the outputs
@@ -185,21 +238,40 @@ def test_two_stages_train_one_process_model(one: dict[str, Any], out: Path) -> N
     assert ranks[0]["uncut"] == ranks[1]["uncut"]
     assert "OutsideResidual cannot be cut into pipeline stages at ['blocks.2']" in ranks[0]["uncut"]
     assert "h = block(h), residual connections inside the blocks" in ranks[0]["uncut"]
+    assert ranks[0]["skip"] == ranks[1]["skip"]  # right outputs, gradients lost: refused
+    # Each stage's peak (its parameters, the rise of VmHWM over train()) against its estimate:
+    # the wider set's bound (tests/test_estimate.py).
+    ratios = [r["memory"]["measured"] / r["memory"]["peaks"][i] for i, r in enumerate(ranks)]
+    assert all(0.7 <= ratio <= 1.6 for ratio in ratios), ratios
+    assert ranks[0]["short"] == ranks[1]["short"]  # at build time, not at the epoch's end
+    assert "[4, 4, 4, 2] samples (data shards of 30 samples" in ranks[0]["short"]
+    assert "stage 1 computes a gradient for inp.weight (inp), but stage 0" in ranks[0]["skip"]
 
 
 @pytest.mark.slow
-def test_two_stages_by_two_replicas(one: dict[str, Any], out: Path) -> None:
+def test_two_stages_by_two_replicas(
+    one: dict[str, Any], pp4: list[dict[str, Any]], pp2: list[dict[str, Any]], out: Path
+) -> None:
     """4 ranks as 2 pipelines of 2 stages: split=["blocks.1"] (1 block, then 3) with DDP
-    between the replicas of each stage, whose parameters check_sync_every compares; FSDP
+    between the replicas of each stage, whose parameters check_sync_every compares, and
+    interleaved 1F1B (2 stages per rank, each with its own DDP); FSDP
     stages (pp=2 x dp_shard=2), and a run resuming their checkpoint of update 3 that ends by
     loading its best model into the sharded stages; data shards of 17 and 16 sequences, the
-    second's last micro-batch a filler (it weighs nothing)."""
-    _, ranks = run_ranks(WORKER, 4, ["pp4", str(out)], out / "pp4", True, cwd=out, timeout=240)
-    for run in ("pp_dp", "pp_fsdp", "fsdp_resumed"):
+    second's last micro-batch a filler (it weighs nothing); FSDP() at 2 ranks (the 2-rank
+    world) resumes the FSDP stages' checkpoint of update 3, DCP resharding it."""
+    ranks = pp4
+    for run in ("pp_dp", "pp_inter", "pp_fsdp", "fsdp_resumed"):
         assert_like_one_process(ranks[0][run], one["plain"], best=run == "fsdp_resumed")
         assert {r[run]["eval"]["loss"] for r in ranks} == {ranks[0][run]["eval"]["loss"]}
     assert ranks[0]["fsdp_resumed"]["start_step"] == 3
     assert_like_one_process(ranks[0]["uneven"], one["uneven"])  # with a filler micro-batch
+    # Their checkpoint of update 3 (DCP shards, as FSDP's) resumed by FSDP() at 2 ranks, and
+    # exported offline: the whole model, every stage's shards, loading strictly.
+    assert pp2[0]["fsdp_from_pp"]["start_step"] == 3
+    assert_like_one_process(pp2[0]["fsdp_from_pp"], one["plain"])
+    step3 = out / "pp4" / "pp_fsdp" / "save" / "checkpoints" / "step-00000003"
+    assert main(["export", str(step3), str(out / "pp_fsdp.pt")]) == 0
+    Tagger().load_state_dict(torch.load(out / "pp_fsdp.pt", weights_only=True))
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 ``SETUP`` is ``module:function`` or ``path/to/file.py:function``; the function takes no
 arguments and returns a dict with ``model``, ``optimizer`` and ``batch`` (one micro-batch of
 ``batch_size_per_gpu`` samples), optionally ``loss`` and ``tp_plan``. One column per strategy
-(DDP, FSDP, and FSDP with ``--tp``): parameters, gradients, optimizer state, activations and
+(DDP, FSDP, FSDP with ``--tp``, and one per stage of ``Pipeline(stages=PP)`` with ``--pp``):
+parameters, gradients, optimizer state, activations and
 FSDP's buffers per rank, the peak, and with ``--memory`` the largest ``batch_size_per_gpu``
 that fits. See :func:`fastdist.estimate.estimate_memory`.
 
@@ -23,19 +24,23 @@ from typing import Any
 
 from fastdist.checks import check_int
 from fastdist.estimate import estimate_memory, parse_bytes, table
-from fastdist.strategies import DDP, FSDP, Strategy
+from fastdist.strategies import DDP, FSDP, Pipeline, Strategy
 
 
 def add_parser(commands: Any) -> None:
     """Register the ``estimate`` command on the ``python -m fastdist`` sub-parsers."""
     parser = commands.add_parser(
         "estimate",
-        help="estimate per-rank memory under DDP, FSDP and FSDP with tensor parallelism",
+        help="estimate per-rank memory under DDP, FSDP, FSDP with tensor parallelism and "
+        "pipeline stages",
         description=__doc__.split("\n\nExample")[0] if __doc__ else None,
     )
     parser.add_argument("setup", metavar="SETUP", help="module:function or file.py:function")
     parser.add_argument("--world-size", type=int, default=1, help="processes (default: 1)")
     parser.add_argument("--tp", type=int, default=1, help="add FSDP(tp=TP) (default: 1: none)")
+    parser.add_argument(
+        "--pp", type=int, default=1, help="add Pipeline(stages=PP), one column per stage"
+    )
     parser.add_argument("--update-every", type=int, default=1, help="as DistTrainer's")
     parser.add_argument(
         "--activation-checkpointing", default="false", help="true, false or every-N"
@@ -50,7 +55,7 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the table; return 0, or 1 with a message on stderr."""
     try:
-        for option in ("world_size", "tp", "update_every"):
+        for option in ("world_size", "tp", "pp", "update_every"):
             check_int("--" + option.replace("_", "-"), getattr(args, option), minimum=1)
         budget = None if args.memory is None else parse_bytes(args.memory)
         if budget == 0:
@@ -60,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
         strategies: list[Strategy] = [DDP(), FSDP()]
         if args.tp > 1:
             strategies.append(FSDP(tp=args.tp, tp_plan=setup.get("tp_plan")))
+        if args.pp > 1:
+            strategies.append(Pipeline(stages=args.pp))
+        for strategy in strategies:  # a world that does not fit: refused before measuring
+            strategy.degrees(args.world_size)
         estimates = [
             estimate_memory(
                 setup["model"],
@@ -79,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, KeyError, ImportError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(table(estimates, budget))
+    print(table([stage for e in estimates for stage in e.stages or [e]], budget))
     return 0
 
 

@@ -36,6 +36,8 @@ class Activations:
         inputs: the storages of each block's input tensors (what checkpointing keeps).
         casts: the storages that are autocast's low-precision copies of parameters (FSDP's
             mixed precision gathers such copies instead: they are not activations there).
+        after: the storages kept outside every block once a block has run (the head's, the
+            loss's, the output: what a pipeline's last stage keeps).
     """
 
     sizes: Mapping[int, int]
@@ -43,6 +45,22 @@ class Activations:
     inputs: Sequence[frozenset[int]]
     casts: frozenset[int]
     batch_size: int
+    after: frozenset[int] = frozenset()
+
+    def part(self, blocks: Sequence[int], first: bool, last: bool) -> Activations:
+        """What a part of the model keeps (a pipeline stage): the ``blocks`` (their
+        indices, in order), with what is kept outside them before the blocks (``first``)
+        and after them (``last``)."""
+        index = {block: i for i, block in enumerate(blocks)}
+        owners = {}
+        for ptr, who in self.owners.items():
+            mine = {index[o] for o in who if o in index}
+            if OUTSIDE in who and (last if ptr in self.after else first):
+                mine.add(OUTSIDE)
+            if mine:
+                owners[ptr] = frozenset(mine)
+        inputs = [self.inputs[block] for block in blocks]
+        return Activations(self.sizes, owners, inputs, self.casts, self.batch_size, self.after)
 
     def kept(self, period: int = 0, casts: bool = True) -> int:
         """Peak bytes of the activations with every ``period``-th block checkpointed (0: none),
@@ -110,7 +128,10 @@ def measure(
         record.keep(tensor)
     owners = {ptr: frozenset(who) for ptr, who in record.owners.items()}
     inputs = [frozenset(record.inputs.get(i, ())) for i in range(len(modules))]
-    return Activations(dict(record.sizes), owners, inputs, frozenset(record.casts), batch_size)
+    after = frozenset(record.after)
+    return Activations(
+        dict(record.sizes), owners, inputs, frozenset(record.casts), batch_size, after
+    )
 
 
 class _Record:
@@ -125,6 +146,8 @@ class _Record:
         self.stack: list[int] = []  # the blocks the forward is in, innermost last
         self.in_sequence = 0
         self.casts: set[int] = set()
+        self.after: set[int] = set()  # kept outside the blocks once one has run
+        self.entered = False
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.keep(tensor)
@@ -146,6 +169,8 @@ class _Record:
         ptr = self._size(tensor, divide=self.in_sequence > 0)
         if ptr is not None:
             self.owners.setdefault(ptr, set()).add(self.stack[-1] if self.stack else OUTSIDE)
+            if not self.stack and self.entered:
+                self.after.add(ptr)
 
     def _size(self, tensor: torch.Tensor, divide: bool = False) -> int | None:
         """Note the size of ``tensor``'s storage; its address (``None``: a parameter's)."""
@@ -161,6 +186,7 @@ class _Record:
             if entering:
                 self.inputs[index] = {p for t in _tensors(args) if (p := self._size(t))}
                 self.stack.append(index)
+                self.entered = True
             else:
                 self.stack.pop()
 

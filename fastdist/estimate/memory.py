@@ -1,10 +1,12 @@
 """Per-rank memory of a training configuration, before launch: what each rank holds under DDP,
-FSDP or FSDP with tensor parallelism, from the model's parameters, the optimizer's state after
-one step on the meta device, and the activations of one micro-batch measured on the device.
+FSDP, FSDP with tensor parallelism or on each pipeline stage, from the model's parameters, the
+optimizer's state after one step on the meta device, and the activations of one micro-batch
+measured on the device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,10 +17,10 @@ from torch import nn
 
 from fastdist.checks import check_choice, check_int
 from fastdist.data.feed import make_forward, to_device
-from fastdist.estimate.activations import measure
+from fastdist.estimate.activations import Activations, measure
 from fastdist.estimate.optimizer import state_shapes
 from fastdist.losses import as_loss_fn
-from fastdist.strategies import Strategy, Topology, resolve_strategy
+from fastdist.strategies import MemoryShare, Strategy, Topology, resolve_strategy
 from fastdist.strategies.blocks import checkpoint_period
 
 if TYPE_CHECKING:
@@ -48,6 +50,9 @@ class MemoryEstimate:
             until the window's last micro-batch reduce-scatters them).
         step_temp: the optimizer step's temporaries (foreach on CUDA: one copy of the
             parameters; else the largest parameter).
+        stages: under a pipeline, every stage's figures (``strategy`` names the stage);
+            the fields above are the stage with the highest peak, ``peak_at`` and
+            ``max_batch_size`` the most any stage needs. Empty otherwise.
     """
 
     strategy: str
@@ -61,10 +66,13 @@ class MemoryEstimate:
     in_flight: int
     held: int
     step_temp: int
+    stages: tuple[MemoryEstimate, ...] = ()
 
     def peak_at(self, batch_size: int) -> int:
         """The peak with ``batch_size`` samples per micro-batch (activations grow in
         proportion): the end of the forward or the optimizer step, whichever is larger."""
+        if self.stages:
+            return max(stage.peak_at(batch_size) for stage in self.stages)
         activations = math.ceil(self.activations * batch_size / self.batch_size)
         states = self.parameters + self.optimizer
         forward = states + self.held + activations + self.in_flight
@@ -111,8 +119,10 @@ def estimate_memory(
     Args:
         model, optimizer: as given to ``DistTrainer`` (the optimizer has not stepped).
         batch: one micro-batch (``batch_size_per_gpu`` samples), as the model is fed.
-        strategy, world_size: ``"ddp"``, ``"fsdp"``, ``DDP(...)``, ``FSDP(tp=..., ...)``
-            and the number of processes.
+        strategy, world_size: ``"ddp"``, ``"fsdp"``, ``DDP(...)``, ``FSDP(tp=..., ...)``,
+            ``Pipeline(...)`` (each stage's figures in ``stages``: the strategy says what
+            each kind of rank trains and keeps, :meth:`Strategy.memory_shares`) and the
+            number of processes.
         loss, update_every, activation_checkpointing, amp: as for ``DistTrainer``.
 
     Example:
@@ -125,33 +135,73 @@ def estimate_memory(
     check_choice("amp", amp, tuple(_AMP))
     strategy = resolve_strategy(strategy)
     layout = Topology(strategy.degrees(world_size), 0, world_size)  # rank 0's view of it
-    if layout.size("pp") > 1:
-        raise ValueError(f"estimate_memory does not model pipeline stages yet: {strategy!r}")
     tp = layout.size("tp")
     styles = _plan(model, strategy, tp)
-    sizes = _shards(model, layout.size("dp_shard"), styles, tp)
-    sharded = layout.shards_parameters
-    param_dtype = _AMP[amp] if sharded else None  # FSDP gathers parameters cast for compute
     device = next(model.parameters()).device
     activations = _activations(model, batch, loss, amp, styles, tp, strategy, device)
+    setting = _Setting(
+        model, optimizer, strategy, layout, styles, update_every, amp, device, activations
+    )
     period = checkpoint_period(activation_checkpointing)
-    stored = sum(s.stored for s in sizes.values())
-    unsharded = sum(s.compute for s in sizes.values())
+    found = [
+        _estimate(setting, share, period) for share in strategy.memory_shares(model, update_every)
+    ]
+    if len(found) == 1:
+        return found[0]
+    tallest = max(found, key=lambda e: e.peak)
+    return dataclasses.replace(tallest, stages=tuple(found))
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """What every share's estimate reads."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    strategy: Strategy
+    layout: Topology
+    styles: Mapping[str, ParallelStyle]
+    update_every: int
+    amp: str | None
+    device: torch.device
+    activations: Activations
+
+
+def _estimate(setting: _Setting, share: MemoryShare, period: int) -> MemoryEstimate:
+    """The figures of the ranks of one ``share`` of the model."""
+    model, strategy, layout = setting.model, setting.strategy, setting.layout
+    tp, world_size = layout.size("tp"), layout.world_size
+    names = [name for name, _ in model.named_parameters()]
+    trains = set(names) if share.trains is None else set(share.trains)
+    sizes = _shards(model, layout.size("dp_shard"), setting.styles, tp, trains)
+    own = {name: size for name, size in sizes.items() if name in trains}
+    sharded = layout.shards_parameters
+    param_dtype = _AMP[setting.amp] if sharded else None  # FSDP gathers cast parameters
+    stored = sum(s.stored for s in own.values())
+    unsharded = sum(s.compute for s in own.values())
     views = getattr(strategy, "gradient_as_bucket_view", False)  # DDP's option
-    grads, held = _gradients(sharded, views, world_size, update_every, stored, unsharded)
-    temp = _step_temp(optimizer, sizes, device)
+    replicas = world_size // layout.size("pp")  # each stage's copies
+    grads, held = _gradients(sharded, views, replicas, setting.update_every, stored, unsharded)
+    activations = setting.activations
+    if share.blocks is not None:
+        every = strategy.blocks(model)
+        index = [every.index(b) for b in share.blocks if b in every]
+        activations = activations.part(index, share.first, share.last)
+    kept = activations.backward_start(period, casts=not sharded)
+    kept += (share.kept - 1) * activations.kept(period, casts=not sharded)
+    label = repr(strategy) if tp == 1 else f"{type(strategy).__name__}(tp={tp})"
     return MemoryEstimate(
-        strategy=repr(strategy) if tp == 1 else f"{type(strategy).__name__}(tp={tp})",
+        strategy=f"{label} {share.label}".rstrip(),
         world_size=world_size,
         batch_size=activations.batch_size,
-        update_every=update_every,
-        parameters=stored,
+        update_every=setting.update_every,
+        parameters=sum(s.stored for s in sizes.values()),
         gradients=grads,
-        optimizer=_optimizer_bytes(optimizer, model, sizes),
-        activations=activations.backward_start(period, casts=not sharded),
-        in_flight=_in_flight(model, strategy, layout, sizes, param_dtype) if sharded else 0,
+        optimizer=_optimizer_bytes(setting.optimizer, model, own),
+        activations=kept,
+        in_flight=_in_flight(model, strategy, layout, own, param_dtype) if sharded else 0,
         held=held,
-        step_temp=temp,
+        step_temp=_step_temp(setting.optimizer, own, setting.device),
     )
 
 
@@ -182,11 +232,15 @@ def _plan(model: nn.Module, strategy: Strategy, tp: int) -> dict[str, ParallelSt
 
 
 def _shards(
-    model: nn.Module, shards: int, styles: Mapping[str, ParallelStyle], tp: int
+    model: nn.Module,
+    shards: int,
+    styles: Mapping[str, ParallelStyle],
+    tp: int,
+    trains: set[str],
 ) -> dict[str, _Shard]:
     """Each parameter's bytes on one rank: split by the plan (tensor parallel), then by
     FSDP along its first dimension (padded to a multiple of the shards, as ``fully_shard``
-    does) over the ``shards`` ranks of ``dp_shard``."""
+    does) over the ``shards`` ranks of ``dp_shard``; those the rank does not train, whole."""
     from fastdist.strategies.tensor_parallel import split_dim
 
     found = {}
@@ -198,7 +252,7 @@ def _shards(
         if dim is not None:
             shape[dim] //= tp
         local = math.prod(shape)
-        if shape and shards > 1:
+        if shape and shards > 1 and name in trains:
             local = math.ceil(shape[0] / shards) * math.prod(shape[1:])
         size = param.element_size()
         fraction = local / param.numel() if param.numel() else 1.0
@@ -207,12 +261,13 @@ def _shards(
 
 
 def _gradients(
-    sharded: bool, views: bool, world_size: int, update_every: int, stored: int, unsharded: int
+    sharded: bool, views: bool, replicas: int, update_every: int, stored: int, unsharded: int
 ) -> tuple[int, int]:
     """``(gradients at the step, gradients held through a forward)``: sharded (FSDP) or in
-    DDP's buckets (``views``: ``gradient_as_bucket_view``)."""
+    DDP's buckets (``views``: ``gradient_as_bucket_view``); ``replicas``: the ranks holding
+    each parameter (or its shards)."""
     accumulating = update_every > 1
-    if world_size == 1:
+    if replicas == 1:
         return stored, stored if accumulating else 0
     if sharded:  # no-sync micro-batches keep unsharded gradients
         return stored, unsharded if accumulating else 0
@@ -231,6 +286,8 @@ def _optimizer_bytes(
     names = {id(p): name for name, p in model.named_parameters()}
     total = 0
     for param, states in state_shapes(optimizer).items():
+        if names[id(param)] not in sizes:  # another pipeline stage's
+            continue
         fraction = sizes[names[id(param)]].fraction
         for shape, dtype in states:
             numel = math.prod(shape) * dtype.itemsize
@@ -249,7 +306,7 @@ def _in_flight(
     backward) and of two blocks' (computing one, gathering the next), and one block's
     reduce-scatter of its gradients (over the ``dp_shard`` ranks)."""
     blocks = strategy.blocks(model)
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if n in sizes}  # the rank's to train
 
     def whole(names: list[str]) -> int:  # in the compute dtype (amp: FSDP gathers bf16/fp16)
         size = [param_dtype.itemsize if param_dtype else params[n].element_size() for n in names]
@@ -259,6 +316,7 @@ def _in_flight(
         )
 
     inside = [[n for n in params if n.startswith(block + ".")] for block in blocks]
+    inside = [group for group in inside if group]
     root = [n for n in params if not any(n in group for group in inside)]
     largest = max((whole(group) for group in inside), default=0)
     # A block's reduce-scatter in backward: its gradients copied whole into the collective's

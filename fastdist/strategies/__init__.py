@@ -7,7 +7,7 @@ its options, e.g. ``DDP(bucket_cap_mb=50, comm_hook="powersgd")``, ``FSDP(wrap=[
 layout they run on is a :class:`Topology` (``trainer.topology``).
 """
 
-from fastdist.strategies.base import Strategy
+from fastdist.strategies.base import MemoryShare, Strategy
 from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP
 from fastdist.strategies.pipeline import Pipeline
@@ -18,6 +18,7 @@ __all__ = [
     "DDP",
     "FSDP",
     "DataShard",
+    "MemoryShare",
     "Pipeline",
     "Strategy",
     "Topology",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -62,6 +63,28 @@ class Update(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class MemoryShare:
+    """What a kind of rank trains and keeps, as the memory estimate
+    (:func:`fastdist.estimate_memory`) asks each strategy.
+
+    Attributes:
+        label: which ranks (``""``: every rank; ``"stage 0"``).
+        trains: the parameters whose gradients and optimizer state they hold (``None``:
+            all); the others they hold whole and unsharded.
+        blocks: the blocks whose forward they run (``None``: all), with what runs before
+            the blocks (``first``) and after them (``last``).
+        kept: how many micro-batches' activations they hold at once.
+    """
+
+    label: str = ""
+    trains: frozenset[str] | None = None
+    blocks: tuple[str, ...] | None = None
+    first: bool = True
+    last: bool = True
+    kept: int = 1
+
+
 class Strategy:
     """Runs the model as it is: one process, or ranks that share nothing but the gradients'
     all-reduce done by a subclass. Every method of the base class is a no-op where it can be.
@@ -102,6 +125,16 @@ class Strategy:
     def check_window(self, update_every: int) -> None:
         """Raise if this strategy cannot run updates of ``update_every`` micro-batches (alike
         on every rank, before any collective)."""
+
+    def check_batches(self, sizes: list[list[int]], update_every: int) -> None:
+        """Raise if this strategy cannot run an epoch whose data shards' batch sizes
+        (samples) are ``sizes``, in updates of ``update_every`` (alike on every rank, before
+        any collective)."""
+
+    def memory_shares(self, model: nn.Module, update_every: int) -> list[MemoryShare]:
+        """What each kind of rank trains and keeps (the memory estimate's question): here
+        every rank the whole model, one micro-batch's activations at a time."""
+        return [MemoryShare()]
 
     def setup(
         self,

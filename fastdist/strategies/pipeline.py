@@ -2,7 +2,8 @@
 ``dp_replicate`` or sharded with FSDP over ``dp_shard``; torch's ``PipelineStage`` and
 schedules run each update.
 
-Each rank runs one stage (:mod:`~fastdist.strategies.stages`); the ranks of one pipeline see
+Each rank runs one stage (:mod:`~fastdist.strategies.stages`; two under
+``"interleaved-1f1b"``); the ranks of one pipeline see
 the same micro-batches, the loss is computed on the last stage. The whole model stays on
 every rank (its own stage's modules sharded under FSDP), only its own stage trained there:
 evaluation, prediction, the best model and ``save_model`` first bring every stage's
@@ -11,6 +12,7 @@ parameters to every rank of the pipeline.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -18,22 +20,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_leaves
 
-from fastdist.checkpoint import GATHERED, PER_RANK
-from fastdist.checks import check_choice, check_int, describe
-from fastdist.distributed import broadcast_object, get_rank, get_world_size
+from fastdist.checkpoint import GATHERED, PER_RANK, SHARDED
+from fastdist.checks import check_choice, check_int
+from fastdist.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
 from fastdist.distributed.dtensor import is_dtensor, is_fsdp_module
-from fastdist.strategies.base import Strategy, Update
+from fastdist.strategies.base import MemoryShare, Strategy, Update
 from fastdist.strategies.blocks import checkpoint_blocks
 from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP, switch_parameters
-from fastdist.strategies.pipeline_state import WholeModel, WholeOptimizer, load_whole, whole
-from fastdist.strategies.stages import StageModule, check_cut, plan_stages
+from fastdist.strategies.pipeline_checks import (
+    LOOPED,
+    check_one_shape,
+    check_stage_strategy,
+    schedule_class,
+    stage_shares,
+)
+from fastdist.strategies.pipeline_state import (
+    StageOptimizerShards,
+    StageShards,
+    WholeModel,
+    WholeOptimizer,
+    load_whole,
+    whole,
+)
+from fastdist.strategies.stage_check import check_cut, check_gradients, unsharded_copy
+from fastdist.strategies.stages import StageModule, batch_shapes, plan_stages, stage_example
 from fastdist.strategies.topology import Topology
-
-#: The schedules offered: torch.distributed.pipelining's classes of these names.
-SCHEDULES: dict[str, str] = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 
 class Pipeline(Strategy):
@@ -43,10 +56,12 @@ class Pipeline(Strategy):
     ``dp_shard``).
 
     Args:
-        stages: pipeline stages, one per rank; it must divide the world size.
+        stages: ranks per pipeline; it must divide the world size.
         schedule: ``"1f1b"`` (one forward, one backward: activations of at most ``stages``
-            micro-batches kept; needs ``update_every >= stages``) or ``"gpipe"`` (all
-            forwards, then all backwards).
+            micro-batches kept; needs ``update_every >= stages``), ``"gpipe"`` (all
+            forwards, then all backwards) or ``"interleaved-1f1b"`` (the model cut into
+            ``2 x stages`` stages, rank ``r`` running stages ``r`` and ``r + stages``: a
+            smaller bubble, more sends; needs ``update_every >= stages``).
         split: the first block of every stage after the first (``["layers.4"]``), blocks of
             one ``nn.ModuleList``/``nn.ModuleDict``; ``None``: that list's blocks split evenly.
         stage_strategy: how each stage is replicated: ``DDP()`` (the default, ``None``) over
@@ -56,13 +71,15 @@ class Pipeline(Strategy):
     An update's ``update_every`` micro-batches are the schedule's micro-batches; their losses
     keep the trainer's weights (a ``(sum, count)`` loss divided by the update's count), the
     schedule does not divide by their number. Every micro-batch of one update must have the
-    same shapes (``drop_last=True`` drops a short last batch); a new stage is set up for each
-    new shape or number of micro-batches (an epoch's short last update, which runs GPipe
-    when it has fewer micro-batches than stages).
+    same shapes (a short last batch in an update of full ones is refused when the trainer is
+    built); a new stage is set up for each new shape or number of micro-batches (an epoch's
+    short last update, which runs GPipe when it has fewer micro-batches than stages).
     Checkpoints hold the whole model and optimizer state, gathered from the stages, as a plain
     or DDP run's do: DDP, one process or another pipeline resumes them, and a pipeline resumes
-    theirs (a checkpoint of FSDP stages: FSDP stages only, so far). Every rank starts from rank
-    0's weights.
+    theirs; FSDP stages write DCP shards as ``FSDP()`` does, which either resumes on any
+    number of ranks. Every rank starts from rank 0's weights; at the first update the stages
+    are checked to compute the whole model's output and gradients
+    (:mod:`~fastdist.strategies.stage_check`).
 
     Example:
         >>> strategy = Pipeline(stages=2, schedule="1f1b", split=None, stage_strategy=DDP())
@@ -83,22 +100,19 @@ class Pipeline(Strategy):
         stage_strategy: Strategy | None = None,
     ) -> None:
         check_int("stages", stages, minimum=2)
-        if schedule == "interleaved-1f1b":
-            raise ValueError(
-                "schedule='interleaved-1f1b' runs several stages per rank, and looped schedules "
-                "hang over gloo (the CPU backend; PiPPy #944); Pipeline runs one stage per "
-                "rank: use schedule='1f1b' or 'gpipe'"
-            )
-        check_choice("schedule", schedule, tuple(SCHEDULES))
+        check_choice("schedule", schedule, ("gpipe", "1f1b", "interleaved-1f1b"))
+        self.per_rank = LOOPED if schedule == "interleaved-1f1b" else 1
+        self.cuts = stages * self.per_rank  # the model's stages
         if split is not None:
             if not isinstance(split, (list, tuple)) or not all(isinstance(s, str) for s in split):
                 raise TypeError(f"split must be a list of module names or None, got {split!r}")
-            if len(split) != stages - 1:
+            if len(split) != self.cuts - 1:
                 raise ValueError(
-                    f"split names where each stage after the first starts: {stages - 1} "
-                    f"name(s) for stages={stages}, got {len(split)}: {list(split)}"
+                    f"split names where each stage after the first starts: {self.cuts - 1} "
+                    f"name(s) for stages={stages} ({self.per_rank} per rank), got "
+                    f"{len(split)}: {list(split)}"
                 )
-        _check_stage_strategy(stage_strategy)
+        check_stage_strategy(stage_strategy)
         self.stages, self.schedule = stages, schedule
         self.split = None if split is None else list(split)
         self.stage_strategy = stage_strategy
@@ -122,10 +136,10 @@ class Pipeline(Strategy):
         device: torch.device,
         amp: str | None,
     ) -> None:
-        plan = plan_stages(model, self.stages, self.split)
+        plan = plan_stages(model, self.cuts, self.split)
         if isinstance(self.stage_strategy, FSDP):
             self.stage_strategy.check(model, optimizer, device, None)  # a fresh optimizer
-            units = [unit for index in range(self.stages) for unit in plan.units(index)]
+            units = [unit for index in range(self.cuts) for unit in plan.units(index)]
             loose = [n for n, _ in model.named_parameters() if not n.startswith(tuple(units))]
             if loose:
                 raise ValueError(
@@ -140,12 +154,21 @@ class Pipeline(Strategy):
         self.degrees(get_world_size())
 
     def check_window(self, update_every: int) -> None:
-        if self.schedule == "1f1b" and update_every < self.stages:
+        if self.schedule != "gpipe" and update_every < self.stages:
             raise ValueError(
-                f"schedule='1f1b' needs at least as many micro-batches per update as stages, "
-                f"but update_every={update_every} < stages={self.stages}: raise update_every "
-                f"to {self.stages}, or use schedule='gpipe'"
+                f"schedule={self.schedule!r} needs at least as many micro-batches per update "
+                f"as stages, but update_every={update_every} < stages={self.stages}: raise "
+                f"update_every to {self.stages}, or use schedule='gpipe'"
             )
+
+    def memory_shares(self, model: nn.Module, update_every: int) -> list[MemoryShare]:
+        """Each stage's share (:func:`~fastdist.strategies.pipeline_checks.stage_shares`)."""
+        plan = plan_stages(model, self.cuts, self.split)
+        return stage_shares(model, plan, self.schedule, update_every, self.stages)
+
+    def check_batches(self, sizes: list[list[int]], update_every: int) -> None:
+        """Refuse a short last batch in an update of full ones (one schedule, one shape)."""
+        check_one_shape(sizes, update_every)
 
     def setup(
         self,
@@ -169,21 +192,28 @@ class Pipeline(Strategy):
             for tensor in itertools.chain(model.parameters(), model.buffers()):
                 dist.broadcast(tensor, src=0, group=group)
         checkpoint_blocks(model, self.blocks(model), checkpointing)
-        self.plan = plan_stages(model, self.stages, self.split)
+        self.plan = plan_stages(model, self.cuts, self.split)
         self.index = self.topology.coordinate("pp")
+        self.local = [self.index + k * self.stages for k in range(self.per_rank)]
         self.sharded = self.equal_forwards = isinstance(self.stage_strategy, FSDP)
+        # What the first update checks the stages against: the model as built (sharing its
+        # tensors; under FSDP its unsharded ones, held until then).
+        self._unchecked: nn.Module | None = model
         if isinstance(self.stage_strategy, FSDP):
+            self._unchecked = unsharded_copy(model)
             self._shard(self.stage_strategy, amp)
-        self.stage = StageModule(model, self.plan, self.index)
+        self.stage_modules = [StageModule(model, self.plan, index) for index in self.local]
         self._schedules: dict[Any, Any] = {}  # by micro-batches and shapes
         names = {id(p): name for name, p in model.named_parameters()}
         # The user's groups by name (what a checkpoint holds), then this stage's part of them.
         self.groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         for group_ in optimizer.param_groups:
             group_["params"] = [p for p in group_["params"] if self.owns(names[id(p)])]
-        self.module = self.stage
+        self.modules: list[nn.Module] = list(self.stage_modules)
         if self.topology.size("dp_replicate") > 1:
-            self.module = self._replicate(self.stage)
+            pairs = zip(self.stage_modules, self.local, strict=True)
+            self.modules = [self._replicate(module, index) for module, index in pairs]
+        self.module = self.modules[0]
         return optimizer
 
     def _shard(self, options: FSDP, amp: str | None) -> None:
@@ -193,7 +223,7 @@ class Pipeline(Strategy):
 
         old_names = {id(p): name for name, p in self.model.named_parameters()}
         keywords = options.shard_options(self.topology.mesh("dp_shard"), amp)
-        for unit in self.plan.units(self.index):
+        for unit in (unit for index in self.local for unit in self.plan.units(index)):
             module = self.model.get_submodule(unit)
             if any(True for _ in module.parameters()):
                 fully_shard(module, **keywords)
@@ -206,13 +236,13 @@ class Pipeline(Strategy):
             if is_fsdp_module(module):
                 module.reshard()
 
-    def _replicate(self, stage: StageModule) -> DistributedDataParallel:
-        """DDP over this stage's replicas, blind to the other stages' parameters."""
+    def _replicate(self, stage: StageModule, index: int) -> DistributedDataParallel:
+        """DDP over stage ``index``'s replicas, blind to the other stages' parameters."""
         options = self.stage_strategy if isinstance(self.stage_strategy, DDP) else DDP()
         others = [
             name
             for name, _ in itertools.chain(stage.named_parameters(), stage.named_buffers())
-            if not self.owns(name.removeprefix("model."))
+            if self.plan.owner(name.removeprefix("model.")) != index
         ]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(stage, others)
         extra: dict[str, Any] = {}
@@ -229,18 +259,19 @@ class Pipeline(Strategy):
         )
 
     def owns(self, name: str) -> bool:
-        """Whether this rank's stage holds the parameter or buffer ``name``."""
-        return self.plan.owner(name) == self.index
+        """Whether this rank's stages hold the parameter or buffer ``name``."""
+        return self.plan.owner(name) % self.stages == self.index
 
     def forward_backward(self, update: Update) -> None:
         """Every micro-batch of the update through the schedule's ``step``."""
         batches = list(update)
         schedule = self._schedule(batches, update)
-        stage = self.stage
-        stage.model.train(self.model.training)
-        # Each micro-batch runs in its own mode (eval for a filler); their losses in order.
-        stage.begin(batches, lambda module, batch: update.forward(module, batch, stage.count - 1))
-        self._loss = lambda output, i: update.loss(stage.output(i, output), batches[i])
+        for stage in self.stage_modules:
+            stage.model.train(self.model.training)
+            # Each micro-batch runs in its own mode (eval for a filler); losses in order.
+            stage.begin(batches, functools.partial(_run, update, stage))
+        last = self.stage_modules[-1]  # the model's last stage, on the pipeline's last rank
+        self._loss = lambda output, i: update.loss(last.output(i, output), batches[i])
         schedule.step(target=torch.arange(len(batches)), return_outputs=False)
         for _ in batches:
             update.end()
@@ -248,7 +279,7 @@ class Pipeline(Strategy):
     def _schedule(self, batches: list[Any], update: Update) -> Any:
         """The schedule of updates of ``len(batches)`` micro-batches of these shapes (made at
         the first such update: a stage of static shapes, found by running the stages)."""
-        shapes = [_shapes(batch) for batch in batches]
+        shapes = [batch_shapes(batch) for batch in batches]
         if any(s != shapes[0] for s in shapes):
             raise ValueError(
                 "the micro-batches of one update differ in shape, which a pipeline stage cannot "
@@ -259,26 +290,49 @@ class Pipeline(Strategy):
         if key not in self._schedules:
             from torch.distributed import pipelining
 
-            hidden = check_cut(self.model, self.plan, batches[0], update.forward)
+            hidden = self._check(batches[0], update)
             self._reshard()
-            stage = pipelining.PipelineStage(
-                self.module,
-                self.index,
-                self.stages,
-                self.device,
-                input_args=() if self.index == 0 else _example(hidden[self.index - 1]),
-                output_args=_example(hidden[self.index]),
-                group=self.topology.mesh("pp").get_group(),
+            stages = [
+                pipelining.PipelineStage(
+                    module,
+                    index,
+                    self.cuts,
+                    self.device,
+                    input_args=() if index == 0 else stage_example(hidden[index - 1]),
+                    output_args=stage_example(hidden[index]),
+                    group=self.topology.mesh("pp").get_group(),
+                )
+                for module, index in zip(self.modules, self.local, strict=True)
+            ]
+            kind = getattr(
+                pipelining, schedule_class(self.schedule, len(batches), self.stages, self.per_rank)
             )
-            name = self.schedule if len(batches) >= self.stages else "gpipe"
-            kind = getattr(pipelining, SCHEDULES[name])
             self._schedules[key] = kind(
-                stage,
+                stages if self.per_rank > 1 else stages[0],
                 len(batches),
                 loss_fn=lambda out, i: self._loss(out, int(i)),
                 scale_grads=False,
             )
         return self._schedules[key]
+
+    def _check(self, batch: Any, update: Update) -> list[torch.Tensor]:
+        """The activations between the stages (for their shapes); at the first update, on
+        the model as built, also the check that the stages compute the model's output and
+        gradients, refused alike on every rank (one gather of the verdicts) if they do not."""
+        if self._unchecked is None:
+            return check_cut(self.model, self.plan, batch, update.forward)
+        model, self._unchecked = self._unchecked, None
+        hidden: list[torch.Tensor] = []
+        try:
+            hidden = check_cut(model, self.plan, batch, update.forward)
+            check_gradients(model, self.plan, batch, update.forward)
+            verdict = None
+        except Exception as exc:  # agreed first: no rank raises alone and leaves the rest waiting
+            verdict = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        refused = [v for v in all_gather_object(verdict, self.group) if v is not None]
+        if refused:
+            raise ValueError(refused[0])
+        return hidden
 
     def replicas(self, step: int) -> list[tuple[str, torch.Tensor]]:
         """This stage's parameters, which its replicas hold copies of (none when sharded)."""
@@ -294,7 +348,8 @@ class Pipeline(Strategy):
         with torch.no_grad():
             for name, tensor in tensors:  # this stage's sharded ones gathered first
                 value = tensor.full_tensor() if is_dtensor(tensor) else tensor
-                dist.broadcast(value, src=ranks[self.plan.owner(name)], group=group)
+                src = ranks[self.plan.owner(name) % self.stages]
+                dist.broadcast(value, src=src, group=group)
 
     def before_evaluation(self) -> None:
         """The whole model on every rank (every stage's parameters), rank 0's buffers."""
@@ -319,7 +374,14 @@ class Pipeline(Strategy):
 
     def checkpoint_parts(self) -> list[tuple[str, Any, str]]:
         """The whole model and optimizer state, gathered from the stages: the checkpoint of a
-        plain or DDP run, which any layout resumes (each stage keeps its own part)."""
+        plain or DDP run, which any layout resumes (each stage keeps its own part). FSDP
+        stages write DCP shards as a plain FSDP run does, which DCP reshards on load."""
+        if self.sharded:
+            return [
+                ("model", StageShards(self), SHARDED),
+                ("optimizer", StageOptimizerShards(self), SHARDED),
+                ("strategy", self, PER_RANK),
+            ]
         return [
             ("model", WholeModel(self), GATHERED),
             ("optimizer", WholeOptimizer(self), GATHERED),
@@ -327,30 +389,6 @@ class Pipeline(Strategy):
         ]
 
 
-def _check_stage_strategy(strategy: Any) -> None:
-    """Raise unless ``strategy`` is one a stage can run under (``None``: DDP())."""
-    plain = type(strategy) is DDP and not strategy.comm_hook and not strategy.average_every
-    sharded = type(strategy) is FSDP and strategy.tp == strategy.replicate == 1
-    if strategy is None or plain or (sharded and not strategy.cpu_offload and not strategy.wrap):
-        return
-    raise ValueError(
-        f"stage_strategy must be DDP() (optionally with bucket_cap_mb, find_unused_parameters, "
-        f"static_graph, gradient_as_bucket_view), FSDP() (optionally with "
-        f"reshard_after_forward) or None, got {describe(strategy)}: DDP's communication hooks, "
-        "local SGD, tensor parallelism, HSDP, CPU offload and FSDP's wrap (a stage shards its "
-        "blocks and the modules around them) are not supported under Pipeline yet"
-    )
-
-
-def _shapes(batch: Any) -> tuple[Any, ...]:
-    """The shapes and dtypes of the tensors of ``batch`` (dicts, lists, tuples)."""
-    leaves = tree_leaves(batch)
-    return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
-
-
-def _example(hidden: Any) -> Any:
-    """An activation of ``hidden``'s shape as it flows in training (requiring gradients); for
-    the last stage's output (a tuple of tensors, not sent), as many placeholders."""
-    if isinstance(hidden, tuple):
-        return tuple(torch.empty(0) for _ in hidden)
-    return torch.empty_like(hidden).requires_grad_(hidden.is_floating_point())
+def _run(update: Update, stage: StageModule, module: nn.Module, batch: Any) -> Any:
+    """``stage``'s forward of its latest micro-batch, as the loop runs it."""
+    return update.forward(module, batch, stage.count - 1)

@@ -1,6 +1,8 @@
 """A pipeline's checkpoint parts: the whole model and optimizer state gathered from its
 stages, as a plain or DDP run holds them, and each stage's part taken back from them; whole
 tensors made from and cut into a stage's shards where its stage strategy shards them (FSDP).
+FSDP stages' checkpoints are DCP shards instead, as a plain FSDP run writes them
+(:class:`StageShards`, :class:`StageOptimizerShards`): DCP reshards them onto any layout.
 """
 
 from __future__ import annotations
@@ -112,3 +114,53 @@ class WholeOptimizer:
             if index[name] in saved["state"]
         }
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+class StageShards:
+    """This stage's part of the model's state as DCP writes a sharded model's (the model's
+    own names, this stage's DTensor shards): the stages together write the keys a plain FSDP
+    run's checkpoint holds, and each loads its own part of either."""
+
+    def __init__(self, pipeline: Stages) -> None:
+        self.pipeline = pipeline
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.pipeline.model.state_dict()
+        return {name: value for name, value in state.items() if self.pipeline.owns(name)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pipeline.model.load_state_dict(state, strict=False)  # loaded in place already
+
+
+class StageOptimizerShards:
+    """This stage's optimizer state keyed by parameter name, as torch's
+    ``get_optimizer_state_dict`` gives a plain FSDP run's, with the user's parameter groups
+    naming every stage's parameters (the same on every rank, as that run's)."""
+
+    def __init__(self, pipeline: Stages) -> None:
+        self.pipeline = pipeline
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        own: dict[str, Any] = get_optimizer_state_dict(self.pipeline.model, self.pipeline.optimizer)
+        groups = [
+            {**group, "params": list(names)}
+            for group, names in zip(own["param_groups"], self.pipeline.groups, strict=True)
+        ]
+        return {"state": own["state"], "param_groups": groups}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        owns = self.pipeline.owns
+        groups = [
+            {**group, "params": [name for name in group["params"] if owns(name)]}
+            for group in state["param_groups"]
+        ]
+        own = {name: value for name, value in state["state"].items() if owns(name)}
+        set_optimizer_state_dict(
+            self.pipeline.model,
+            self.pipeline.optimizer,
+            {"state": own, "param_groups": groups},
+        )

@@ -7,11 +7,11 @@ first positional argument and returns a tensor of the same kind. Modules registe
 the blocks (or before a module holding them, as nanoGPT's ``transformer`` holds ``h``) run
 before them and belong to the first stage (embeddings); those registered after run after
 them and belong to the last (final norm, head). A parameter two stages would use (tied
-embedding and head weights) is refused, and :func:`check_cut` refuses at the first update a
-model whose stages would compute another output than the whole model, or run a module in a
-stage other than the one holding it. The copies share the model's parameters and buffers
-(and its sharded modules), so state-dict keys stay the model's own, and the model itself
-stays whole (evaluation and ``save_model`` read it).
+embedding and head weights) is refused, and :mod:`~fastdist.strategies.stage_check` refuses at
+the first update a model whose stages would compute another output or other gradients than
+the whole model, or run a module in a stage other than the one holding it. The copies share
+the model's parameters and buffers (and its sharded modules), so state-dict keys stay the
+model's own, and the model itself stays whole (evaluation and ``save_model`` read it).
 
 A stage's copy runs the model's ``forward`` on the micro-batch: on every stage but the first,
 the first block of the stage has its input replaced by the activation received from the
@@ -23,7 +23,6 @@ the next stage's first block and returns that block's input.
 from __future__ import annotations
 
 import copy
-import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from fastdist.distributed.dtensor import is_fsdp_module
 
@@ -264,76 +263,15 @@ def _stop(module: nn.Module, args: tuple[Any, ...]) -> None:
     raise Boundary(args[0])
 
 
-def check_cut(
-    model: nn.Module, plan: StagePlan, batch: Any, run: Callable[[nn.Module, Any], Any]
-) -> list[torch.Tensor]:
-    """Run ``batch`` through every stage in turn and through the whole model, in eval mode
-    without gradients; return the activations passed between the stages. Raise a
-    ``ValueError`` if the stages' output differs from the model's (the model cannot be cut).
-    The last entry is the model's output."""
-    stages = [StageModule(model, plan, index) for index in range(len(plan.blocks))]
-    whole = StageModule(model, StagePlan(plan.container, [sum(plan.blocks, [])], [], []), 0)
-    foreign: list[list[str]] = [[] for _ in stages]
-    hooks = [h for i, stage in enumerate(stages) for h in _watch(stage, i, plan, foreign[i])]
-    hidden: list[Any] = []
-    try:
-        with torch.no_grad(), torch.random.fork_rng(_devices(model)):
-            for stage in [*stages, whole]:
-                stage.eval()
-                stage.begin([batch], run)
-            for stage in stages:
-                hidden.append(stage(*hidden[-1:]))
-            expected = whole()
-    except Exception as exc:
-        raise ValueError(_uncut(model, plan, f"{type(exc).__name__}: {exc}")) from exc
-    finally:
-        for hook in hooks:  # sharded modules are the model's own
-            hook.remove()
-    for index, names in enumerate(foreign):
-        if names:
-            raise ValueError(
-                f"{names[0]} runs on pipeline stage {index}, but its parameters are another "
-                "stage's: modules registered before the blocks belong to the first stage, "
-                f"after them to the last; register {names[0]} in the order forward runs it"
-            )
-    out = hidden[-1]
-    same = len(out) == len(expected) and all(
-        a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-6)
-        for a, b in zip(out, expected, strict=True)
-    )
-    if not same:
-        raise ValueError(_uncut(model, plan, "cut so, it computes another output"))
-    return hidden
+def batch_shapes(batch: Any) -> tuple[Any, ...]:
+    """The shapes and dtypes of the tensors of ``batch`` (dicts, lists, tuples)."""
+    leaves = tree_leaves(batch)
+    return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
 
 
-def _watch(stage: StageModule, index: int, plan: StagePlan, foreign: list[str]) -> list[Any]:
-    """Hooks that list in ``foreign`` the modules with parameters of another stage that run
-    in ``stage``'s own part (from its first block on); return their handles."""
-    hooks = []
-    for name, module in stage.model.named_modules():
-        params = [f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)]
-        if any(plan.owner(p) != index for p in params):
-            note = functools.partial(_note, stage, foreign, name)
-            hooks.append(module.register_forward_pre_hook(note))
-    return hooks
-
-
-def _note(stage: StageModule, foreign: list[str], name: str, *hook_args: Any) -> None:
-    if stage.live:
-        foreign.append(name)
-
-
-def _uncut(model: nn.Module, plan: StagePlan, what: str) -> str:
-    """Why ``model`` cannot be cut into stages at the plan's boundaries, and the fix."""
-    return (
-        f"{type(model).__name__} cannot be cut into pipeline stages at {plan.starts()} "
-        f"({what}): its "
-        "forward must run the blocks in order and hand each block's output only to the next "
-        "block (h = block(h), residual connections inside the blocks, as transformer layers "
-        "do), computing nothing after a block from values before it but the inputs"
-    )
-
-
-def _devices(model: nn.Module) -> list[torch.device]:
-    """The CUDA devices of ``model``'s parameters (whose random generators are forked)."""
-    return list({p.device for p in model.parameters() if p.device.type == "cuda"})
+def stage_example(hidden: Any) -> Any:
+    """An activation of ``hidden``'s shape as it flows in training (requiring gradients); for
+    the last stage's output (a tuple of tensors, not sent), as many placeholders."""
+    if isinstance(hidden, tuple):
+        return tuple(torch.empty(0) for _ in hidden)
+    return torch.empty_like(hidden).requires_grad_(hidden.is_floating_point())

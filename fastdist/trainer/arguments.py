@@ -16,7 +16,7 @@ from fastdist.callbacks.callback import Callback, state_keys
 from fastdist.callbacks.run_log import RunLogCallback
 from fastdist.checkpoint.export import check_format
 from fastdist.checks import check_instance, check_list, check_writable_dir, describe
-from fastdist.data import ShardedStream, TokenBatchSampler
+from fastdist.data import ResumableSampler, ShardedStream, TokenBatchSampler, split_batches
 from fastdist.distributed.env import get_local_rank, get_world_size, visible_gpu_count
 from fastdist.evaluation.validator import as_metric_list, resolve_metric_key
 from fastdist.loggers.backend import Logger, check_loggers
@@ -99,6 +99,9 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
         if sampler is None and batch_sampler is None:
             n_rank = n_train // shards
             check_enough_samples(n_rank, options.batch_size_per_gpu, options.drop_last)
+            options.strategy.check_batches(
+                epoch_batches(n_train, shards, options), options.update_every
+            )
     metrics = check_metrics(given["metrics"], dev_data is not None, options.metric_key)
     metric_key, larger_better = resolve_metric_key(options.metric_key, metrics)
     optimizer = given["optimizer"]
@@ -323,6 +326,13 @@ def check_samplers(sampler: Any, batch_sampler: Any, stream: bool, drop_last: bo
             "drop_last=True does not apply with batch_sampler=, which makes every batch itself: "
             "leave drop_last out (or drop short batches in the batch sampler)"
         )
+
+
+def epoch_batches(n_train: int, shards: int, options: TrainerOptions) -> list[list[int]]:
+    """Every data shard's batch sizes (samples) of an epoch, under torch's default sampler."""
+    sampler = ResumableSampler(n_train, 0, shards, drop_last=options.drop_last)
+    batch, drop = options.batch_size_per_gpu, options.drop_last
+    return [split_batches(sampler.shard_size(r, 0), batch, drop) for r in range(shards)]
 
 
 def check_enough_samples(n_samples: int, batch_size: int, drop_last: bool) -> None:

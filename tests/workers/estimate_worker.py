@@ -226,24 +226,25 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def compare(strategy: Any, world_size: int, data_shards: int) -> dict[str, Any]:
-    """Estimate, then train 2 updates (update_every=2) and measure; both in bytes."""
+def compare(strategy: Any, world_size: int, data_shards: int, size: int = BATCH) -> dict[str, Any]:
+    """Estimate, then train 2 updates (update_every=2) of micro-batches of ``size`` and
+    measure; both in bytes."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(N, 16, generator=gen)
     data = TensorDataset(x, (x[:, 0] > 0).long())
     model = Wide()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss = CrossEntropyLoss()
-    batch = (x[:BATCH], data.tensors[1][:BATCH])
+    batch = (x[:size], data.tensors[1][:size])
     estimate = estimate_memory(
         model, optimizer, batch, strategy, world_size, loss=loss, update_every=2
     )
     trainer = DistTrainer(
-        torch.utils.data.Subset(data, range(BATCH * data_shards * 4)),
+        torch.utils.data.Subset(data, range(size * data_shards * 4)),
         model,
         optimizer=optimizer,
         loss=loss,
-        batch_size_per_gpu=BATCH,
+        batch_size_per_gpu=size,
         update_every=2,
         n_epochs=1,
         print_every=10_000,
@@ -252,7 +253,9 @@ def compare(strategy: Any, world_size: int, data_shards: int) -> dict[str, Any]:
         strategy=strategy,
     )
     measured = held(trainer.model) + training_peak(trainer)
-    return {"estimate": dataclasses.asdict(estimate), "peak": estimate.peak, "measured": measured}
+    peaks = [stage.peak for stage in estimate.stages]  # a pipeline's, stage by stage
+    found = {"estimate": dataclasses.asdict(estimate), "peak": estimate.peak, "peaks": peaks}
+    return {**found, "measured": measured}
 
 
 def setup() -> dict[str, Any]:

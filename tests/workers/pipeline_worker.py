@@ -5,7 +5,8 @@ Usage::
     pipeline_worker.py one OUT_DIR   # one process: the plain model
     pipeline_worker.py pp2 OUT_DIR   # torchrun, 2 ranks: Pipeline(stages=2), gpipe and 1f1b;
                                      # DDP resuming the gpipe run's checkpoint, a
-                                     # pipeline resuming one's (run "one" first)
+                                     # pipeline resuming one's, FSDP() resuming pp4's FSDP
+                                     # stages' (run "one" and "pp4" first)
     pipeline_worker.py pp4 OUT_DIR   # torchrun, 4 ranks: 2 stages x 2 replicas (1f1b), DDP
                                      # and FSDP stages
     pipeline_worker.py resume OUT_DIR  # torchrun --max-restarts=1, 2 ranks: rank 1 dies
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from workers import estimate_worker
 from workers.ending import exit_now
 from workers.token_loss_worker import Sequences
 from workers.trainer_worker import refused, write_json
@@ -70,6 +72,31 @@ class OutsideResidual(Tagger):
         h = self.inp(x)
         for block in self.blocks:
             h = h + block(h)
+        return {"pred": self.out(h).squeeze(-1)}
+
+
+class SkipAll(Tagger):
+    """A skip connection around all the blocks: every stage's output is right, but the last
+    stage recomputes ``inp``, whose gradient through the skip the first stage never gets."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = e = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return {"pred": self.out(h + e).squeeze(-1)}
+
+
+class Scaled(Tagger):
+    """A parameter of the model itself used inside the blocks (of both stages)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h) * self.scale
         return {"pred": self.out(h).squeeze(-1)}
 
 
@@ -174,6 +201,9 @@ def main(argv: list[str]) -> int:
         result["uneven"] = train("ddp", out / "uneven", n_train=UNEVEN)
     elif mode == "pp2":
         result["gpipe"] = train(Pipeline(stages=2, schedule="gpipe"), out / "gpipe")
+        # 2 stages per rank (one block each), interleaved; the epoch's last update LoopedBFS.
+        interleaved = Pipeline(stages=2, schedule="interleaved-1f1b")
+        result["interleaved"] = train(interleaved, out / "interleaved")
         one_f_one_b, model = Pipeline(stages=2, schedule="1f1b"), loaded_on_rank_zero()
         result["1f1b"] = train(one_f_one_b, out / "1f1b", model=model)
         # The pipeline's checkpoint of update 3 (the end of epoch 1) resumed by DDP at 2 ranks.
@@ -186,17 +216,28 @@ def main(argv: list[str]) -> int:
         result["uncut"] = refused(
             lambda: train(Pipeline(stages=2), out / "uncut", model=OutsideResidual())
         )
+        result["skip"] = refused(lambda: train(Pipeline(stages=2), out / "skip", model=SkipAll()))
+        # 30 sequences: 7 batches of 4 and one of 2, the last update mixing them.
+        result["short"] = refused(lambda: train(Pipeline(stages=2), out / "short", n_train=30))
+        # The 4-rank FSDP stages' checkpoint of update 3 (DCP shards) resumed by FSDP() here.
+        sharded = out.parent / "pp4" / "pp_fsdp" / "save" / "checkpoints" / "step-00000003"
+        result["fsdp_from_pp"] = train(FSDP(), out / "fsdp", update_every=2, resume=str(sharded))
+        # Per-stage memory, estimated and measured (the launch sets MALLOC_MMAP_THRESHOLD_).
+        result["memory"] = estimate_worker.compare(Pipeline(stages=2), 2, 1, size=8)
     elif mode == "resume":
         result["resumed"] = train(Pipeline(stages=2), out / "resumed", checkpoint_every=1, die_at=5)
     else:
         strategy = Pipeline(stages=2, schedule="1f1b", split=["blocks.1"])
         result["pp_dp"] = train(strategy, out / "pp_dp", update_every=2, check_sync_every=1)
+        # Interleaved: 2 stages per rank, each replicated by its own DDP over 2 pipelines.
+        looped = Pipeline(stages=2, schedule="interleaved-1f1b")
+        result["pp_inter"] = train(looped, out / "pp_inter", update_every=2, check_sync_every=1)
         # 33 sequences: data shards of 17 and 16, so the second's last update is a filler.
         result["uneven"] = train(Pipeline(stages=2), out / "uneven", update_every=2, n_train=UNEVEN)
         sharded = Pipeline(stages=2, stage_strategy=FSDP())
         result["pp_fsdp"] = train(sharded, out / "pp_fsdp", update_every=2)
         # Its checkpoint of update 3 (sharded stages' parameters and AdamW state), resumed.
-        step3 = out / "pp_fsdp" / "save" / "checkpoints" / "step-00000003.pt"
+        step3 = out / "pp_fsdp" / "save" / "checkpoints" / "step-00000003"
         best = {"resume": str(step3), "load_best_model": True}  # ends with the best model
         resumed = train(sharded, out / "fsdp_resumed", update_every=2, **best)
         result["fsdp_resumed"] = resumed
