@@ -103,9 +103,7 @@ def run_case(case: dict[str, Any], index: int, out: Path) -> dict[str, Any]:
     save_path.mkdir(parents=True, exist_ok=True)
     prefix = f"{case['name']}-{attempt()}.rank{get_rank()}"
     ids = IdLog(out / f"{prefix}.ids.jsonl")
-    trainer = build_trainer(
-        case["config"], save_path, EVERY, [ids], checkpoint_async=case["async"]
-    )
+    trainer = build_trainer(case["config"], save_path, EVERY, [ids], checkpoint_async=case["async"])
     fault = Fault({**case, "save_path": str(save_path)}, index, trainer.state)
     checkpointer_module.atomic_save = files_module.atomic_save = fault.save  # type: ignore[assignment]
     try:
