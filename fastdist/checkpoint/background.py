@@ -1,6 +1,6 @@
 """Checkpoints written while training goes on (``DistTrainer(checkpoint_async=True)``).
 
-The checkpointer copies the state off the live tensors (:func:`snapshot`, and DCP's
+The checkpointer copies the state off the live tensors (:meth:`Background.copy`, and DCP's
 ``async_save`` for the shards), then hands the write to :class:`Background`: one thread, one
 write in flight. Every step of a write that may fail on some ranks only ends in
 :meth:`Background.agree`, a collective on a gloo group of the writer's own, so that every rank
@@ -22,20 +22,16 @@ from fastdist.distributed import all_gather_object
 T = TypeVar("T")
 
 
-def snapshot(obj: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
-    """A copy of ``obj`` (nested dicts, lists and tuples) that training cannot change: every
-    tensor copied to the CPU (one copy per tensor however often it appears), the rest deep
-    copied."""
-    memo = {} if memo is None else memo
-    if isinstance(obj, torch.Tensor):
-        if id(obj) not in memo:
-            memo[id(obj)] = obj.detach().to("cpu", copy=True)
-        return memo[id(obj)]
-    if type(obj) in (dict, OrderedDict):
-        return type(obj)((key, snapshot(value, memo)) for key, value in obj.items())
-    if type(obj) in (list, tuple):
-        return type(obj)(snapshot(value, memo) for value in obj)
-    return copy.deepcopy(obj)  # plain data (or a container of another type, copied whole)
+def _copy(state: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``state`` with ``tensor(t)`` for each tensor ``t`` in its dicts, lists and tuples, the rest
+    deep copied."""
+    if isinstance(state, torch.Tensor):
+        return tensor(state)
+    if type(state) in (dict, OrderedDict):
+        return type(state)((key, _copy(value, tensor)) for key, value in state.items())
+    if type(state) in (list, tuple):
+        return type(state)(_copy(value, tensor) for value in state)
+    return copy.deepcopy(state)  # plain data (or a container of another type, copied whole)
 
 
 def agree(step: Callable[[], T], group: Any) -> list[T]:
@@ -60,8 +56,30 @@ class Background:
 
     def __init__(self, group: Any) -> None:
         self.group = group
+        self._buffers: list[torch.Tensor] = []  # the previous copy's tensors, in order
         self._thread: threading.Thread | None = None
         self._outcome: tuple[Any, Exception | None] = (None, None)
+
+    def copy(self, state: Any) -> Any:
+        """A copy of ``state`` (nested dicts, lists and tuples) that training cannot change: its
+        tensors copied to the CPU (once each, however often they appear), the rest deep copied.
+        Tensors go into the previous copy's where shapes and dtypes match (its write is over):
+        fresh memory costs several times the copy (1.7 s against 0.3 s for 384 MiB here)."""
+        previous, self._buffers = self._buffers, []
+        memo: dict[int, torch.Tensor] = {}
+
+        def tensor(live: torch.Tensor) -> torch.Tensor:
+            if id(live) not in memo:
+                n = len(self._buffers)
+                old = previous[n] if n < len(previous) else None
+                if old is not None and (old.shape, old.dtype) == (live.shape, live.dtype):
+                    memo[id(live)] = old.copy_(live.detach())
+                else:
+                    memo[id(live)] = live.detach().to("cpu", copy=True)
+                self._buffers.append(memo[id(live)])
+            return memo[id(live)]
+
+        return _copy(state, tensor)
 
     def start(self, write: Callable[[], Any]) -> None:
         """Run ``write`` in the thread; the previous write must have been waited for.

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fastdist.checkpoint.background import Background, agree, snapshot
+from fastdist.checkpoint.background import Background, agree
 from fastdist.checkpoint.files import (
     SHARDED_REST,
     CheckpointDir,
@@ -150,7 +150,7 @@ class Checkpointer:
             finish = write_shards(sharded, tmp, self.rank == 0, group, background is not None)
         if background is None:
             return self._written(self._write(content, sharded, finish, step, group))
-        content = snapshot(content)  # training changes the tensors it was given meanwhile
+        content = background.copy(content)  # training changes the live tensors meanwhile
         background.start(functools.partial(self._write, content, sharded, finish, step, group))
         return None
 
