@@ -72,7 +72,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, tmpfs: Path | None) -> Path:
             where = str(tmpfs / config)
             full = {"config": config, "async": True, "save_path": where, "at": at, "fill": when}
             cases.append({"name": f"{config}-full", **full})
-    run_torchrun(WORKER, 2, [write_cases(out, cases), str(out)], timeout=150)
+    run_torchrun(WORKER, 2, [write_cases(out, cases), str(out)], timeout=300)
     return out
 
 
@@ -165,37 +165,51 @@ def updates(out: Path, name: str, rank: int, attempt: int) -> list[dict[str, Any
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_a_kill_during_an_async_write_resumes_from_the_previous_checkpoint(
-    runs: Path, tmp_path: Path
+def assert_resumed_as_straight(
+    runs: Path, out: Path, name: str, config: str, attempt: int, resumed: int
 ) -> None:
-    """Rank 0 is SIGKILLed in the middle of writing update A's checkpoint (half its file
-    written), plain then fsdp, each in its own attempt of one torchrun job restarted by
-    torchrun; each resumes from update B's, the newest complete one, and ends with the
-    straight run's parameters bit for bit, having trained the same samples to the same loss."""
+    """Attempt ``attempt + 1`` of ``name`` resumed from update ``resumed`` and ended with the
+    straight run's parameters on every rank, bit for bit, having trained the same samples to
+    the same loss."""
+    for rank in range(2):
+        got = outcome(out, name, rank, attempt + 1)
+        assert got["start_step"] == resumed
+        assert got["final"] == outcome(runs, f"{config}-sync", rank)["final"], f"rank {rank}"
+        stream = [u for u in updates(out, name, rank, attempt) if u["step"] <= resumed]
+        stream += updates(out, name, rank, attempt + 1)
+        assert stream == updates(runs, f"{config}-sync", rank, 0), f"rank {rank}"
+
+
+def test_a_kill_or_sigterm_during_an_async_write(runs: Path, tmp_path: Path) -> None:
+    """One torchrun job, restarted by torchrun after each fault. Rank 0 is SIGKILLed in the
+    middle of writing update A's checkpoint (half its file written), plain then fsdp: each
+    resumes from update B's, the newest complete one. Then SIGTERM after update 7, while
+    update 6's checkpoint is written slowly: the pre-emption checkpoint (update 8) waits for
+    it, is written whole, and the run resumes from it. Each ends as the straight run."""
     cases = [
         {"name": f"{config}-kill", "config": config, "async": True, "at": KILLED[config][0]}
         for config in CONFIGS
     ]
     for case in cases:
         case.update(kill=True, slow=0.3)
+    cases.append({"name": "sigterm", "config": "plain", "async": True, "at": 6, "slow": 0.5})
+    cases[-1]["sigterm"] = 7
     options = ["--master-addr=127.0.0.1", f"--master-port={free_port()}", "--nnodes=1"]
     args = [write_cases(tmp_path, cases), str(tmp_path)]
-    command = torchrun_command(WORKER, 2, args, [*options, "--max-restarts=2"])
-    (result,) = run_together([Launch(command)], timeout=180)
+    command = torchrun_command(WORKER, 2, args, [*options, "--max-restarts=3"])
+    (result,) = run_together([Launch(command)], timeout=360)
     assert result.returncode == 0, result.describe()
     assert result.output.count("exitcode: -9") == 2, result.describe()  # SIGKILL, twice
+    assert "pre-empted: checkpoint written at step 8" in result.output, result.describe()
+    resume_path = tmp_path / "sigterm" / "checkpoints" / "step-00000008.pt"
+    assert f"resumed from {resume_path}" in result.output, result.describe()
+    assert_resumed_as_straight(runs, tmp_path, "sigterm", "plain", 2, 8)
     for attempt, config in enumerate(CONFIGS):
         killed, resumed = KILLED[config]
         checkpoints = tmp_path / f"{config}-kill" / "checkpoints"
         resume_path = checkpoints / (f"step-{resumed:08d}" + (".pt" if config == "plain" else ""))
         assert f"resumed from {resume_path}" in result.output, result.describe()
-        for rank in range(2):
-            got = outcome(tmp_path, f"{config}-kill", rank, attempt + 1)
-            assert got["start_step"] == resumed
-            assert got["final"] == outcome(runs, f"{config}-sync", rank)["final"], f"rank {rank}"
-            done = [u for u in updates(tmp_path, f"{config}-kill", rank, attempt)]
-            assert done[-1]["step"] > killed, "training stopped for the write"
-            stream = [u for u in done if u["step"] <= resumed]
-            stream += updates(tmp_path, f"{config}-kill", rank, attempt + 1)
-            assert stream == updates(runs, f"{config}-sync", rank, 0), f"rank {rank}"
+        done = updates(tmp_path, f"{config}-kill", 0, attempt)
+        assert done[-1]["step"] > killed, "training stopped for the write"
+        assert_resumed_as_straight(runs, tmp_path, f"{config}-kill", config, attempt, resumed)
     assert list((tmp_path / "plain-kill" / "checkpoints").glob(".tmp-*-step-00000006.pt"))

@@ -17,6 +17,9 @@ at most one fault on rank 0's write (the ``torch.save`` part, in the writer thre
 * ``"fill": "before"|"after"``: the filesystem of ``save_path`` is filled (a file
   ``<save_path>.filler``) before it writes, or after, leaving one page for the manifest.
 
+``"sigterm": S`` sends SIGTERM to every rank after update S, in the case's attempt only. A
+restarted job skips the cases an earlier attempt finished.
+
 Rank R writes ``OUT_DIR/<name>-<attempt>.rank<R>.json``: the step it started at, its final
 parameters (its shards) and, on rank 0, the updates done at the slowed write's start and end;
 or ``{"error", "step"}`` when ``train()`` raised. ``.ids.jsonl`` as resume_worker.py's.
@@ -36,7 +39,7 @@ from typing import Any
 
 import torch
 from workers.ending import exit_now
-from workers.resume_worker import IdLog, build_trainer, flat_params, write_json
+from workers.resume_worker import Faults, IdLog, build_trainer, flat_params, write_json
 
 import fastdist.checkpoint.checkpointer as checkpointer_module
 import fastdist.checkpoint.files as files_module
@@ -103,7 +106,11 @@ def run_case(case: dict[str, Any], index: int, out: Path) -> dict[str, Any]:
     save_path.mkdir(parents=True, exist_ok=True)
     prefix = f"{case['name']}-{attempt()}.rank{get_rank()}"
     ids = IdLog(out / f"{prefix}.ids.jsonl")
-    trainer = build_trainer(case["config"], save_path, EVERY, [ids], checkpoint_async=case["async"])
+    sigterm = Faults(sigterm_at=case.get("sigterm") if attempt() == index else None)
+    callbacks = [ids, sigterm]  # the same in every case: a checkpoint holds each one's state
+    trainer = build_trainer(
+        case["config"], save_path, EVERY, callbacks, checkpoint_async=case["async"]
+    )
     fault = Fault({**case, "save_path": str(save_path)}, index, trainer.state)
     checkpointer_module.atomic_save = files_module.atomic_save = fault.save  # type: ignore[assignment]
     try:
@@ -123,9 +130,19 @@ def run_case(case: dict[str, Any], index: int, out: Path) -> dict[str, Any]:
     }
 
 
+def finished(out: Path, name: str) -> bool:
+    """Whether both ranks wrote a result of case ``name`` in an earlier attempt."""
+    return any(
+        all((out / f"{name}-{earlier}.rank{rank}.json").exists() for rank in (0, 1))
+        for earlier in range(attempt())
+    )
+
+
 def main(argv: list[str]) -> int:
     cases, out = json.loads(Path(argv[1]).read_text()), Path(argv[2])
     for index, case in enumerate(cases):
+        if finished(out, case["name"]):  # a restarted job goes on with the case it died in
+            continue
         result = run_case(case, index, out)
         write_json(out / f"{case['name']}-{attempt()}.rank{get_rank()}.json", result)
     return 0
