@@ -2,9 +2,9 @@
 
 The checkpointer copies the state off the live tensors (:meth:`Background.copy`, and DCP's
 ``async_save`` for the shards), then hands the write to :class:`Background`: one thread, one
-write in flight. Every step of a write that may fail on some ranks only ends in
-:meth:`Background.agree`, a collective on a gloo group of the writer's own, so that every rank
-learns the same outcome; :meth:`Background.wait` raises a failure there, on every rank alike.
+write in flight. Every step of a write that may fail on some ranks only ends in :func:`agree`,
+a collective on a gloo group of the writer's own, so that every rank learns the same outcome;
+:meth:`Background.wait` raises a failure there, on every rank alike.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ class Checkpointer:
         group = self.group if background is None else background.group
         finish = None
         if sharded:
-            path, tmp = self._sharded_dirs(step)
+            _, tmp = self._sharded_dirs(step)
             finish = write_shards(sharded, tmp, self.rank == 0, group, background is not None)
         if background is None:
             return self._written(self._write(content, sharded, finish, step, group))
