@@ -57,6 +57,7 @@ class Background:
     def __init__(self, group: Any) -> None:
         self.group = group
         self._buffers: list[torch.Tensor] = []  # the previous copy's tensors, in order
+        self._stager: Any = None  # DCP's, for the shards
         self._thread: threading.Thread | None = None
         self._outcome: tuple[Any, Exception | None] = (None, None)
 
@@ -80,6 +81,15 @@ class Background:
             return memo[id(live)]
 
         return _copy(state, tensor)
+
+    def shard_stager(self) -> Any:
+        """DCP's stager of the shards for ``async_save``, kept from one checkpoint to the next:
+        it copies them into the buffers of its previous copy, as :meth:`copy` does."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._stager = DefaultStager(StagingOptions(False, False, False, False))
+        return self._stager
 
     def start(self, write: Callable[[], Any]) -> None:
         """Run ``write`` in the thread; the previous write must have been waited for.

@@ -147,7 +147,8 @@ class Checkpointer:
         finish = None
         if sharded:
             _, tmp = self._sharded_dirs(step)
-            finish = write_shards(sharded, tmp, self.rank == 0, group, background is not None)
+            stager = None if background is None else background.shard_stager()
+            finish = write_shards(sharded, tmp, self.rank == 0, group, stager)
         if background is None:
             return self._written(self._write(content, sharded, finish, step, group))
         content = background.copy(content)  # training changes the live tensors meanwhile

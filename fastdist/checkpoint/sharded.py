@@ -39,15 +39,16 @@ def _barrier(group: Any) -> None:
 
 
 def write_shards(
-    state: dict[str, Any], tmp_dir: str, is_master: bool, group: Any, background: bool = False
+    state: dict[str, Any], tmp_dir: str, is_master: bool, group: Any, stager: Any = None
 ) -> Callable[[], dict[str, int]]:
     """Start every rank's write of its shards of ``state`` (``{part name: state dict}``) into
     ``tmp_dir``; return the function that finishes it: the CRC-32 of each file this rank
     wrote, by name (rank 0: with ``.metadata`` and any file DCP names otherwise). DCP raises
     ``CheckpointException`` there, on every rank, if any rank's write failed.
 
-    ``background``: DCP's ``async_save`` copies the shards to memory now and writes them in a
-    thread of its own, which the returned function waits for; else that function writes them.
+    With DCP's ``stager`` (a background write), ``async_save`` copies the shards to memory now
+    with it and writes them in a thread of its own, which the returned function waits for;
+    else that function writes them.
     """
     import torch.distributed.checkpoint as dcp  # ~0.7 s with DTensor: sharded checkpoints only
 
@@ -56,8 +57,10 @@ def write_shards(
         os.makedirs(tmp_dir)
     _barrier(group)
     save: Callable[[], Any]
-    if background:
-        written = dcp.async_save(state, checkpoint_id=tmp_dir, process_group=group)
+    if stager is not None:
+        written = dcp.async_save(
+            state, checkpoint_id=tmp_dir, process_group=group, async_stager=stager
+        )
         assert isinstance(written, Future)  # an AsyncSaveResponse only with an async stager
         save = written.result
     else:
