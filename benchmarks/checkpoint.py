@@ -1,30 +1,52 @@
-"""Cost of a fastdist checkpoint against one plain ``torch.save`` of the same payload.
+"""Cost of a fastdist checkpoint against one plain ``torch.save`` of the same payload; with
+``--stall``, how long training waits per checkpoint, synchronous against ``checkpoint_async``.
 
     python benchmarks/checkpoint.py [--params 100e6] [--repeats 3] [--dir /tmp]
+    python benchmarks/checkpoint.py --stall [--params 50e6] [--strategy ddp|fsdp] [--rounds 2]
 
 The payload is what ``DistTrainer`` writes: the model's and SGD-with-momentum's state. fastdist
 writes a temp file, reads its CRC-32 back from the page cache, fsyncs, renames and updates the
 manifest; the target is about one serialisation's time, i.e. no extra copy of the tensors.
+
+``--stall`` trains that model (bias-free linear layers of width 4096, MSE) at 2 ranks over
+gloo on the CPU, one torchrun job, checkpointing every ``--every`` updates, once with
+synchronous checkpoints and once with ``checkpoint_async=True`` per round (the order flips
+every round). It reports, per mid-epoch checkpoint, the time from ``on_step_end`` to
+``on_batch_end`` of that update (the check of the weights, then the checkpoint; the same span
+of an update without a checkpoint is reported too), the last one (epoch end, which ``train()``
+waits for) and the whole ``train()``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
-from fastdist.checkpoint.files import CheckpointDir
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import child_env, run_job  # noqa: E402
+from fastdist import Callback, DistTrainer, get_rank  # noqa: E402
+from fastdist.checkpoint.files import CheckpointDir  # noqa: E402
+
+WIDTH, BATCH = 4096, 4
+PREFIX = "CHECKPOINT-BENCH "
+
+
+def wide_model(n_params: float) -> nn.Sequential:
+    layers = max(1, round(n_params / (WIDTH * WIDTH)))
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
 
 
 def payload(n_params: float) -> dict:
-    width = 4096
-    layers = max(1, round(n_params / (width * width)))
-    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+    model = wide_model(n_params)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -33,13 +55,120 @@ def payload(n_params: float) -> dict:
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "params": count}
 
 
+class Stalls(Callback):
+    """Seconds from ``on_step_end`` to ``on_batch_end`` (where the loop checkpoints), per
+    update with a checkpoint due and per update without; when the epoch ended."""
+
+    def __init__(self, every: int) -> None:
+        self.every, self.start = every, 0.0
+        self.checkpoint: list[float] = []
+        self.other: list[float] = []
+        self.epoch_end = 0.0
+
+    def on_step_end(self) -> None:
+        self.start = time.perf_counter()
+
+    def on_batch_end(self) -> None:
+        if self.trainer.state.is_update:
+            due = self.trainer.state.global_step % self.every == 0
+            (self.checkpoint if due else self.other).append(time.perf_counter() - self.start)
+
+    def on_epoch_end(self) -> None:
+        self.epoch_end = time.perf_counter()
+
+
+def train_once(options: dict, asynchronous: bool, directory: str) -> dict:
+    """One run of ``--stall`` in this torchrun job: its stalls and times."""
+    torch.manual_seed(0)
+    model = wide_model(options["params"])
+    steps, every = options["steps"], options["every"]
+    n = steps * BATCH * 2
+    data = TensorDataset(torch.randn(n, WIDTH), torch.randn(n, WIDTH))
+    stalls = Stalls(every)
+    trainer = DistTrainer(
+        data,
+        model,
+        torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+        loss=nn.MSELoss(),
+        callbacks_all=[stalls],
+        batch_size_per_gpu=BATCH,
+        n_epochs=1,
+        print_every=steps,
+        use_tqdm=False,
+        device="cpu",
+        checkpoint_dir=directory,
+        checkpoint_every=every,
+        keep_checkpoints=1,
+        checkpoint_async=asynchronous,
+        strategy=options["strategy"],
+        slow_rank_threshold=0,
+    )
+    start = time.perf_counter()
+    trainer.train(resume=False)
+    end = time.perf_counter()
+    mid = stalls.checkpoint[:-1]  # the last update's is the epoch end's: measured below
+    return {"mid": mid, "other": stalls.other, "end": end - stalls.epoch_end, "train": end - start}
+
+
+def stall_worker() -> None:
+    """Under torchrun: the rounds of ``--stall``; rank 0 prints the JSON of every run."""
+    options = json.loads(os.environ["CHECKPOINT_BENCH"])
+    runs: dict[str, list[dict]] = {"sync": [], "async": []}
+    for round_ in range(options["rounds"]):
+        order = ["sync", "async"] if round_ % 2 == 0 else ["async", "sync"]
+        for mode in order:
+            with tempfile.TemporaryDirectory(dir=options["dir"]) as tmp:
+                directory = os.path.join(tmp, "checkpoints")
+                runs[mode].append(train_once(options, mode == "async", directory))
+    if get_rank() == 0:
+        print(PREFIX + json.dumps(runs), flush=True)
+
+
+def stall(args: argparse.Namespace) -> None:
+    """``--stall``: launch the job, summarise what it measured."""
+    layers = max(1, round(args.params / (WIDTH * WIDTH)))
+    mib = layers * WIDTH * WIDTH * 4 / 2**20
+    options = {
+        "params": args.params,
+        "strategy": args.strategy,
+        "steps": args.steps,
+        "every": args.every,
+        "rounds": args.rounds,
+        "dir": args.dir,
+    }
+    env = child_env({"CHECKPOINT_BENCH": json.dumps(options)})
+    runs = run_job(os.path.abspath(__file__), 2, env, PREFIX, timeout=3000)
+    print(
+        f"{layers * WIDTH * WIDTH / 1e6:.0f}M parameters ({mib:.0f} MiB) + SGD momentum, "
+        f"{args.strategy}, 2 ranks, gloo, CPU; {args.steps} updates, a checkpoint every "
+        f"{args.every}; {args.rounds} round(s)"
+    )
+    print("seconds: stall per checkpoint (median, max); update without one; last; train()")
+    for mode, done in runs.items():
+        mid = [s for run in done for s in run["mid"]]
+        other = statistics.median(s for run in done for s in run["other"])
+        last = statistics.median(run["end"] for run in done)
+        whole = statistics.median(run["train"] for run in done)
+        stalls = f"{statistics.median(mid):.3f}, {max(mid):.3f}"
+        print(f"  {mode:<6} {stalls:>14}   {other:.3f}   {last:.3f}   {whole:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=float, default=100e6)
+    parser.add_argument("--params", type=float, default=None, help="100e6; --stall: 50e6")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--stall", action="store_true", help="sync vs async, 2 ranks")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
+    parser.add_argument("--steps", type=int, default=24, help="--stall: updates per run")
+    parser.add_argument("--every", type=int, default=4, help="--stall: checkpoint_every")
+    parser.add_argument("--rounds", type=int, default=2, help="--stall: runs of each mode")
     args = parser.parse_args()
-    state = payload(args.params)
+    if args.stall:
+        args.params = 50e6 if args.params is None else args.params
+        stall(args)
+        return
+    state = payload(100e6 if args.params is None else args.params)
     n = state.pop("params")
     plain, fastdist_ = [], []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -67,4 +196,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stall_worker() if "CHECKPOINT_BENCH" in os.environ else main()

@@ -258,6 +258,9 @@ ROWS: dict[str, Row] = {
         {"load_best_model": "yes"}, "TypeError: load_best_model must be True or False"
     ),
     "pin_memory_str": row({"pin_memory": "yes"}, "TypeError: pin_memory must be True or False"),
+    "checkpoint_async_str": row(
+        {"checkpoint_async": "yes"}, "TypeError: checkpoint_async must be True or False | 'yes'"
+    ),
     "compile_int": row({"compile": 1}, "TypeError: compile must be True or False | got 1"),
     "on_nonfinite_unknown": row(
         {"on_nonfinite": "ignore"},

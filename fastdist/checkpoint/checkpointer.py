@@ -15,18 +15,23 @@ name, with a *scope* that says where its state lives:
   reshards them on load. ``state_dict()`` returns the state dict DCP loads into in place.
 
 The checkpointer saves what is registered and nothing else; it is a no-op without a
-directory, so the loop calls it unconditionally. A *mirror* (Ray Train's, see
-:mod:`fastdist.trainer.ray_report`) is handed every checkpoint written and may bring a newer
-one into the directory before an ``"auto"`` resume.
+directory, so the loop calls it unconditionally. With a *background*
+(:mod:`fastdist.checkpoint.background`) it writes while training goes on, one checkpoint at a
+time, the manifest last. A *mirror* (Ray Train's, see :mod:`fastdist.trainer.ray_report`) is
+handed every checkpoint written and may bring a newer one into the directory before an
+``"auto"`` resume.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from fastdist.checkpoint.background import Background, agree
 from fastdist.checkpoint.files import (
     SHARDED_REST,
     CheckpointDir,
@@ -37,7 +42,7 @@ from fastdist.checkpoint.format1 import upgrade
 from fastdist.checkpoint.loadable import unloadable
 from fastdist.checkpoint.resume import choose
 from fastdist.checkpoint.sharded import load_shards, publish, write_shards
-from fastdist.distributed import agreed, broadcast_object, gather_object, get_rank, get_world_size
+from fastdist.distributed import broadcast_object, gather_object, get_rank, get_world_size
 from fastdist.logging import logger
 
 REPLICATED, PER_RANK, SHARDED = "replicated", "per_rank", "sharded"
@@ -92,6 +97,8 @@ class Checkpointer:
         keep: how many of the newest checkpoints to keep.
         group: the process group of the checkpoint's collectives.
         mirror: another store every checkpoint is handed to, and resumed from when newer.
+        background: write checkpoints in the background, on its group
+            (:mod:`fastdist.checkpoint.background`); ``None``: each while training waits.
     """
 
     def __init__(
@@ -101,11 +108,13 @@ class Checkpointer:
         keep: int,
         group: Any = None,
         mirror: Mirror | None = None,
+        background: Background | None = None,
     ) -> None:
         self.dir = CheckpointDir(directory, keep) if directory else None
         self.every = every
         self.group = group
         self.mirror = mirror
+        self.background = background
         self.rank, self.world_size = get_rank(), get_world_size()
         self.parts: dict[str, Part] = {}
 
@@ -122,9 +131,42 @@ class Checkpointer:
         return self.dir is not None and self.every > 0 and step % self.every == 0
 
     def save(self, step: int) -> str | None:
-        """Write a checkpoint of every part (a collective); return its path on rank 0."""
+        """Write a checkpoint of every part (a collective); return its path on rank 0.
+
+        In the background (``background`` given), the write in flight is waited for first, the
+        state is copied off the live tensors, and the write goes on while training does: this
+        returns ``None``, and :meth:`wait` the path.
+        """
         if self.dir is None:
             return None
+        self.wait()  # one write in flight at most; a failed one raises here, on every rank
+        content = self._content()
+        sharded = {p.name: p.obj.state_dict() for p in self._scoped(SHARDED)}
+        background = self.background
+        group = self.group if background is None else background.group
+        finish = None
+        if sharded:
+            _, tmp = self._sharded_dirs(step)
+            stager = None if background is None else background.shard_stager()
+            finish = write_shards(sharded, tmp, self.rank == 0, group, stager)
+        if background is None:
+            return self._written(self._write(content, sharded, finish, step, group))
+        content = background.copy(content)  # training changes the live tensors meanwhile
+        background.start(functools.partial(self._write, content, sharded, finish, step, group))
+        return None
+
+    def wait(self) -> str | None:
+        """Wait for the checkpoint written in the background, if any (then a collective): its
+        path on rank 0, ``None`` on the others or when none was. Raises its failure
+        (``OSError``) alike on every rank."""
+        if self.background is None:
+            return None
+        pending, path = self.background.wait()
+        return self._written(path) if pending else None
+
+    def _content(self) -> dict[str, Any]:
+        """What rank 0 writes with ``torch.save`` (every part but the sharded ones; empty on
+        the other ranks), checked to load back: else every rank raises alike. Collectives."""
         whole = {p.name: p.obj.state_dict() for p in self._scoped(GATHERED)}  # every rank
         own = {p.name: p.obj.state_dict() for p in self._scoped(PER_RANK)}
         ranks = gather_object(own, self.group)  # the per-rank states, on rank 0
@@ -142,58 +184,72 @@ class Checkpointer:
         problem = broadcast_object(problem, group=self.group)
         if problem is not None:  # nothing written; every rank raises alike
             raise TypeError(problem)
-        sharded = {p.name: p.obj.state_dict() for p in self._scoped(SHARDED)}
-        directory, path = self.dir, None
-        if sharded:
-            path = self._save_sharded(sharded, content, step)
-        else:
-            path = agreed(
-                lambda: directory.save(content, step) if self.rank == 0 else None, self.group
-            )
+        return content
+
+    def _write(
+        self,
+        content: dict[str, Any],
+        sharded: dict[str, Any],
+        finish: Callable[[], dict[str, int]] | None,
+        step: int,
+        group: Any,
+    ) -> str:
+        """Write the checkpoint of ``step`` (collectives of ``group``): ``content`` by rank 0,
+        the whole of it, or a sharded one's rest beside the shards that ``finish`` writes (or
+        waits for) into a temp dir, then one rename; the manifest last, with the CRC-32 of
+        every file. Return its path. A failure on any rank raises ``OSError`` on every rank.
+
+        Each rank checksums the files it wrote, from its page cache and in parallel with the
+        others; one all-gather brings them to rank 0 and tells it that every rank has finished.
+        """
+        assert self.dir is not None
+        directory, master = self.dir, self.rank == 0
+        if finish is None:
+            return agree(lambda: directory.save(content, step) if master else "", group)[0]
+        path, tmp = self._sharded_dirs(step)
+
+        def write() -> dict[str, int]:
+            from torch.distributed.checkpoint.api import CheckpointException  # DCP: ~0.7 s
+
+            try:
+                written = finish()
+            except CheckpointException as exc:  # DCP raises it on every rank: a full disk...
+                cause = exc.failures[min(exc.failures)][0]  # the first failed rank's error
+                raise OSError(checkpoint_write_failure(path, sharded, cause)) from exc
+            if master:
+                written[SHARDED_REST] = atomic_save(content, os.path.join(tmp, SHARDED_REST))
+            return written
+
+        try:
+            ranks = agree(write, group)
+        except OSError:
+            if master:  # the shards written meanwhile: nothing names them
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        files = dict(sorted(item for checksums in ranks for item in checksums.items()))
+
+        def record() -> None:
+            publish(tmp, path)
+            directory.record(path, files[SHARDED_REST], step, files)
+
+        agree(lambda: record() if master else None, group)
+        return path
+
+    def _sharded_dirs(self, step: int) -> tuple[str, str]:
+        """A sharded checkpoint's directory, and the temp one it is written in."""
+        assert self.dir is not None
+        where = self.dir.directory
+        return os.path.join(where, f"step-{step:08d}"), os.path.join(where, f".tmp-step-{step:08d}")
+
+    def _written(self, path: str) -> str | None:
+        """Log the checkpoint ``path`` written, hand it to the mirror; the path on rank 0."""
+        assert self.dir is not None
         if self.rank == 0:
             logger.info("checkpoint written: %s", path)
         mine = path if self.rank == 0 else None
         if self.mirror is not None:
             self.mirror.publish(self.dir, mine)
         return mine
-
-    def _save_sharded(self, sharded: dict[str, Any], content: dict[str, Any], step: int) -> str:
-        """Shards by every rank into a temp dir, the rest by rank 0, one rename, the manifest
-        with the CRC-32 of every file.
-
-        Each rank checksums the files it wrote, from its page cache and in parallel with the
-        others; one gather brings them to rank 0 and tells it that every rank has finished.
-        """
-        from torch.distributed.checkpoint.api import CheckpointException  # DCP: ~0.7 s
-
-        assert self.dir is not None
-        path = os.path.join(self.dir.directory, f"step-{step:08d}")
-        tmp = os.path.join(self.dir.directory, f".tmp-step-{step:08d}")
-        master = self.rank == 0
-        try:
-            written = write_shards(sharded, tmp, master, self.group)
-        except CheckpointException as exc:  # DCP raises it on every rank: a full disk...
-            cause = exc.failures[min(exc.failures)][0]  # the first failed rank's error
-            message = checkpoint_write_failure(path, sharded, cause) if master else None
-            if master:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise OSError(broadcast_object(message, group=self.group)) from exc
-        rest = os.path.join(tmp, SHARDED_REST)
-        try:
-            checksum = agreed(lambda: atomic_save(content, rest) if master else None, self.group)
-        except OSError:
-            if master:  # the shards written meanwhile: nothing names them
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if checksum is not None:
-            written[SHARDED_REST] = checksum
-        ranks = gather_object(written, self.group)
-        if ranks is None:
-            return path
-        files = dict(sorted(item for checksums in ranks for item in checksums.items()))
-        publish(tmp, path)
-        self.dir.record(path, files[SHARDED_REST], step, files)
-        return path
 
     def restore(self, resume: bool | str | os.PathLike) -> Resumed | None:
         """Restore every part from the checkpoint ``train(resume=...)`` asks for (a collective):

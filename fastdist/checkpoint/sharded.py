@@ -7,17 +7,21 @@ Layout of one checkpoint, a directory ``step-00000120/`` next to the manifest::
     trainer.pt                                  every other part (trainer, callbacks, RNGs...),
                                                 rank 0, torch.save of tensors and plain data
 
-All ranks write into ``.tmp-step-00000120/`` and checksum what they wrote; once every rank has
-finished, rank 0 publishes it with one rename, then records it and the CRC-32 of each of its
-files in the manifest. DCP reshards on load, so a checkpoint of N ranks resumes on M (the
-one-process run holds plain tensors).
+All ranks write into ``.tmp-step-00000120/`` (in the background with ``checkpoint_async``: DCP's
+``async_save``) and checksum what they wrote; once every rank has finished, rank 0 publishes it
+with one rename, then records it and the CRC-32 of each of its files in the manifest. DCP
+reshards on load, so a checkpoint of N ranks resumes on M (the one-process run holds plain
+tensors).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed as dist
@@ -35,24 +39,42 @@ def _barrier(group: Any) -> None:
 
 
 def write_shards(
-    state: dict[str, Any], tmp_dir: str, is_master: bool, group: Any
-) -> dict[str, int]:
-    """Every rank writes its shards of ``state`` (``{part name: state dict}``) into
-    ``tmp_dir``; return the CRC-32 of each file this rank wrote, by name (rank 0: with
-    ``.metadata`` and any file DCP names otherwise)."""
+    state: dict[str, Any], tmp_dir: str, is_master: bool, group: Any, stager: Any = None
+) -> Callable[[], dict[str, int]]:
+    """Start every rank's write of its shards of ``state`` (``{part name: state dict}``) into
+    ``tmp_dir``; return the function that finishes it: the CRC-32 of each file this rank
+    wrote, by name (rank 0: with ``.metadata`` and any file DCP names otherwise). DCP raises
+    ``CheckpointException`` there, on every rank, if any rank's write failed.
+
+    With DCP's ``stager`` (a background write), ``async_save`` copies the shards to memory now
+    with it and writes them in a thread of its own, which the returned function waits for;
+    else that function writes them.
+    """
     import torch.distributed.checkpoint as dcp  # ~0.7 s with DTensor: sharded checkpoints only
 
     if is_master:
         shutil.rmtree(tmp_dir, ignore_errors=True)  # a dead attempt's leftovers
         os.makedirs(tmp_dir)
     _barrier(group)
-    metadata = dcp.save(state, checkpoint_id=tmp_dir, process_group=group)
+    save: Callable[[], Any]
+    if stager is not None:
+        written = dcp.async_save(
+            state, checkpoint_id=tmp_dir, process_group=group, async_stager=stager
+        )
+        assert isinstance(written, Future)  # an AsyncSaveResponse only with an async stager
+        save = written.result
+    else:
+        save = functools.partial(dcp.save, state, checkpoint_id=tmp_dir, process_group=group)
     rank = dist.get_rank(group) if is_distributed() else 0
-    names = {info.relative_path for info in metadata.storage_data.values()}
-    mine = sorted(name for name in names if _writer(name) == rank)
-    if is_master:
-        mine.append(METADATA)
-    return {name: crc32(os.path.join(tmp_dir, name)) for name in mine}
+
+    def finish() -> dict[str, int]:
+        names = {info.relative_path for info in save().storage_data.values()}
+        mine = sorted(name for name in names if _writer(name) == rank)
+        if is_master:
+            mine.append(METADATA)
+        return {name: crc32(os.path.join(tmp_dir, name)) for name in mine}
+
+    return finish
 
 
 def _writer(name: str) -> int:

@@ -20,6 +20,7 @@ from fastdist.callbacks.callback import CallbackList
 from fastdist.callbacks.json_log import JSONLogCallback
 from fastdist.callbacks.run_log import RunLogCallback
 from fastdist.checkpoint import PER_RANK, Checkpointer, RandomState
+from fastdist.checkpoint.background import Background
 from fastdist.data import StreamBatches, TrainBatches
 from fastdist.data.feed import make_forward
 from fastdist.data.protocol import Batches
@@ -124,6 +125,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
     )
     timer = RankTimer(device, world.rank, world.size)
     stream_group = new_gloo_group(options.timeout) if args.stream else None
+    write_group = new_gloo_group(options.timeout) if options.checkpoint_async else None
     data = _batches(args, world, timer, stream_group)
     if not data.plans_uneven:  # a user's sampler: its shards must be equal
         check_even_shards(len(data.loader), world.group)
@@ -144,7 +146,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
         data=data,
         validator=_validator(args, strategy, evaluate, world),
         callbacks=_callbacks(args, world.rank == 0),
-        checkpointer=_checkpointer(options, world.group, state),
+        checkpointer=_checkpointer(options, world.group, state, write_group),
         rng=RandomState(world.rank),
         state=state,
         losses=losses,
@@ -157,7 +159,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
     )
     _register_parts(run)
     # The groups this trainer created go with it (each holds sockets and threads).
-    owned = [world.group, stream_group, *strategy.own_groups]
+    owned = [world.group, stream_group, write_group, *strategy.own_groups]
     weakref.finalize(run, destroy_groups, owned)
     return run
 
@@ -272,9 +274,12 @@ def _callbacks(args: Arguments, is_master: bool) -> CallbackList:
     return CallbackList(every, master, is_master, guard_master=is_distributed())
 
 
-def _checkpointer(options: TrainerOptions, group: Any, state: TrainerState) -> Checkpointer:
+def _checkpointer(
+    options: TrainerOptions, group: Any, state: TrainerState, write_group: Any
+) -> Checkpointer:
     """Checkpoints in ``checkpoint_dir``, else ``<save_path>/checkpoints``, else none; in a
-    Ray Train worker also reported to Ray (:mod:`~fastdist.trainer.ray_report`)."""
+    Ray Train worker also reported to Ray (:mod:`~fastdist.trainer.ray_report`); with
+    ``checkpoint_async`` written in the background, on ``write_group``."""
     directory = options.checkpoint_dir
     if directory is None and options.save_path is not None:
         directory = os.path.join(options.save_path, "checkpoints")
@@ -286,7 +291,8 @@ def _checkpointer(options: TrainerOptions, group: Any, state: TrainerState) -> C
             "a restarted worker starts from the beginning; pass save_path= to resume"
         )
     every, keep = options.checkpoint_every, options.keep_checkpoints
-    return Checkpointer(directory, every, keep, group, mirror)
+    background = Background(write_group) if options.checkpoint_async else None
+    return Checkpointer(directory, every, keep, group, mirror, background)
 
 
 def _register_parts(run: Run) -> None:

@@ -93,6 +93,11 @@ class DistTrainer:
         checkpoint_dir: where checkpoints go; default ``<save_path>/checkpoints``; with
             neither, no checkpoints are written.
         keep_checkpoints: how many of the newest checkpoints to keep.
+        checkpoint_async: write each checkpoint in the background while training goes on
+            (DCP's ``async_save`` for FSDP's shards, a thread for the rest), after copying the
+            state off the live tensors (host memory for one more copy); one write at a time,
+            the manifest last. A failed write raises at the next checkpoint or at the end of
+            ``train()``, on every rank.
         amp: mixed precision: ``"bf16"`` (autocast; CPU or GPU) or ``"fp16"`` (autocast and a
             gradient scaler; CUDA only); ``None``: fp32.
         fp16: fastNLP's switch, the same as ``amp="fp16"``.
@@ -175,6 +180,7 @@ class DistTrainer:
         checkpoint_every: int = 0,
         checkpoint_dir: str | os.PathLike | None = None,
         keep_checkpoints: int = 2,
+        checkpoint_async: bool = False,
         amp: str | None = None,
         fp16: bool = False,
         pin_memory: bool | None = None,

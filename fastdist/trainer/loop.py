@@ -239,6 +239,7 @@ class Loop:
                 agreed = self.train_epochs()
                 if agreed.preempted:  # still watching: a second signal must not stop the write
                     self._save_preempted(agreed)
+                self.run.checkpointer.wait()  # the last one, if written in the background
             self._end()
         except Exception as exc:
             report_failure(exc, self.where(), options.timeout)
@@ -265,6 +266,7 @@ class Loop:
             self.sync(check_model=True)
             with self.timer.paused():
                 path = self.run.checkpointer.save(self.state.global_step)
+                path = self.run.checkpointer.wait() or path  # written in the background
         path = broadcast_object(path, group=self.world.group)  # sent after rank 0's write
         report_preempted(self.state.global_step, path, self.world.rank == 0)
         if agreed.requeue:  # SLURM's time-limit signal: the job runs again, resumed

@@ -54,6 +54,7 @@ class TrainerOptions:
     checkpoint_dir: str | None
     checkpoint_every: int
     keep_checkpoints: int
+    checkpoint_async: bool
     use_tqdm: bool
     device: str | torch.device | None
     strategy: Strategy
@@ -104,6 +105,7 @@ class TrainerOptions:
         for name in ("drop_last", "persistent_workers", "load_best_model", "use_tqdm", "fp16"):
             check_bool(name, getattr(self, name))
         check_bool("compile", self.compile)
+        check_bool("checkpoint_async", self.checkpoint_async)
         checkpoint_period(self.activation_checkpointing)
         if self.pin_memory is not None:
             check_bool("pin_memory", self.pin_memory)
