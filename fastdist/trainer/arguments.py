@@ -24,7 +24,7 @@ from fastdist.losses import Loss, as_loss_fn
 from fastdist.metrics import Metric
 from fastdist.strategies import Strategy, Topology
 from fastdist.strategies.registry import BY_NAME
-from fastdist.trainer import check_resume
+from fastdist.trainer.check_resume import overridden
 from fastdist.trainer.options import TrainerOptions
 
 #: DistTrainer keywords that became options of a strategy object: name -> (class, option).
@@ -85,7 +85,7 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
     does not take); raise alike on every rank, before any collective. Last, every rank
     checks that it can write to ``save_path`` and ``checkpoint_dir`` (creating nothing)."""
     reject_extra(extra, given)
-    options = TrainerOptions.of(check_resume.overridden(given))  # the tool's, if it runs us
+    options = TrainerOptions.of(overridden(given))  # the tool's, if it runs us
     model, train_data, dev_data = given["model"], given["train_data"], given["dev_data"]
     check_model(model)
     stream = isinstance(train_data, IterableDataset)
@@ -110,12 +110,7 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
     check_optimizer(optimizer, model)
     loss_fn = check_loss(given["loss"])
     callbacks = check_callbacks(given["callbacks_all"], given["callbacks_master"])
-    collate_fn = given["collate_fn"]
-    if collate_fn is not None and not callable(collate_fn):
-        raise TypeError(
-            "collate_fn must be a function turning a list of samples into a batch, or None "
-            f"(torch's default_collate); got {describe(collate_fn)}"
-        )
+    collate_fn = check_collate(given["collate_fn"])
     check_format("best_model_format", options.best_model_format, model)
     device = resolve_device(options.device)
     options.strategy.check(model, optimizer, device, options.amp)
@@ -146,6 +141,16 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
         collate_fn=collate_fn,
         device=device,
     )
+
+
+def check_collate(collate_fn: Any) -> Any:
+    """``collate_fn`` is a function or ``None``; return it."""
+    if collate_fn is not None and not callable(collate_fn):
+        raise TypeError(
+            "collate_fn must be a function turning a list of samples into a batch, or None "
+            f"(torch's default_collate); got {describe(collate_fn)}"
+        )
+    return collate_fn
 
 
 def reject_extra(extra: Mapping[str, Any], known: Collection[str]) -> None:

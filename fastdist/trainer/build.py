@@ -45,8 +45,8 @@ from fastdist.loggers import JsonLogger
 from fastdist.logging import logger
 from fastdist.state import TrainerState
 from fastdist.strategies import DataShard, Strategy, Topology
-from fastdist.trainer import check_resume
 from fastdist.trainer.arguments import Arguments, check_all
+from fastdist.trainer.check_resume import callbacks as check_resume_callbacks
 from fastdist.trainer.failure import install_excepthook
 from fastdist.trainer.loss_tracker import LossTracker
 from fastdist.trainer.options import TrainerOptions
@@ -270,7 +270,7 @@ def _callbacks(args: Arguments, is_master: bool) -> CallbackList:
         loggers.append(JsonLogger())  # the run's record: save_path/log.jsonl
     if loggers:
         master.append(RunLogCallback(loggers, state_key="loggers"))
-    every = [*args.callbacks_all, *check_resume.callbacks()]
+    every = [*args.callbacks_all, *check_resume_callbacks()]
     return CallbackList(every, master, is_master, guard_master=is_distributed())
 
 
