@@ -11,6 +11,7 @@ write one readable report.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import math
 import time
@@ -19,7 +20,14 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from fastdist.distributed.env import EXITED_COUNT, EXITING, get_rank, get_world_size
+from fastdist.distributed.env import (
+    EXITED_COUNT,
+    EXITING,
+    STORE_WAIT_S,
+    get_rank,
+    get_world_size,
+    within,
+)
 
 _KEY = "fastdist/position/{}"
 _ENTERED = "fastdist/entered/{}/{}"  # a call's name and its number on each rank; one count
@@ -61,6 +69,14 @@ class PositionBoard:
             self.store.set(_KEY.format(self.rank), json.dumps(record))
             self._published = time.monotonic()
 
+    def publish_failure(self, summary: str) -> None:
+        """Publish that this rank failed with ``summary``, within :data:`STORE_WAIT_S` (the
+        store's host may be out of reach: then only this rank's report says it)."""
+        try:
+            within(STORE_WAIT_S, lambda: self.publish(failed=summary))
+        except Exception:
+            self.fields.update(failed=summary)
+
     def describe(self, fields: dict[str, Any]) -> str:
         """``epoch 1, step 3, phase train, in Printer.on_step_end`` from a position record."""
         parts = [f"{k} {fields[k]}" for k in ("epoch", "step", "phase") if k in fields]
@@ -71,14 +87,27 @@ class PositionBoard:
         return ", ".join(parts) or "not started"
 
     def report(self) -> str:
-        """One block: this rank's position, the others' last known ones, the ranks missing."""
+        """One block: this rank's position, the others' last known ones, the ranks missing
+        (every store read within :data:`STORE_WAIT_S`: a rank cut off from the store's host
+        names the ranks it cannot hear from as unreachable instead of waiting)."""
         own = {k: v for k, v in self.fields.items() if k != "failed"}  # the headline says it
         lines = [f"  rank {self.rank} (this rank): {self.describe(own)}"]
         missing = []
+        unreachable = ""  # why the store did not answer: the ranks left are not asked
         for rank in range(self.world_size):
             if rank == self.rank:
                 continue
-            other = self._read(rank)
+            try:
+                if unreachable:  # one wait for the store is enough
+                    raise TimeoutError(unreachable)
+                other = within(STORE_WAIT_S, functools.partial(self._fetch, rank))
+            except Exception as exc:  # cut off from the store's host, or it is gone
+                unreachable = unreachable or f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+                lines.append(
+                    f"  rank {rank}: unreachable (the store did not answer: {unreachable})"
+                )
+                missing.append(rank)
+                continue
             if other is None:
                 lines.append(f"  rank {rank}: no position published")
                 missing.append(rank)
@@ -92,15 +121,19 @@ class PositionBoard:
         return "\n".join(lines)
 
     def _read(self, rank: int) -> dict[str, Any] | None:
+        try:
+            return self._fetch(rank)
+        except Exception:  # the store's host may be gone too; report what we know
+            return None
+
+    def _fetch(self, rank: int) -> dict[str, Any] | None:
+        """``rank``'s last published position (``None``: none); raises where the store fails."""
         if self.store is None:
             return None
         key = _KEY.format(rank)
-        try:
-            if not self.store.check([key]):
-                return None
-            return json.loads(self.store.get(key))
-        except Exception:  # the store's host may be gone too; report what we know
+        if not self.store.check([key]):
             return None
+        return json.loads(self.store.get(key))
 
 
 _calls: collections.Counter[str] = collections.Counter()  # this process's calls by name

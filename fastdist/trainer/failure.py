@@ -31,7 +31,7 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
     """
     note_failure(exc)
     summary = f"{type(exc).__name__}: {exc}".strip()
-    board.publish(failed=summary[:300])
+    board.publish_failure(summary[:300])
     if is_collective_failure(exc):
         limit = f"{timeout:g} s (DistTrainer(timeout=...))" if timeout else "the group's timeout"
         headline = f"a collective failed on rank {board.rank} (waits are bounded by {limit})"
