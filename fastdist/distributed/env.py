@@ -257,9 +257,10 @@ def _form_group(
     device: torch.device | None,
     exclusive: bool,
 ) -> None:
-    """``init_process_group`` on torch's own rendezvous store for ``url`` under a prefix of
-    the torchrun restart; ``timeout`` (default torch's) bounds every wait, collectives too.
-    Without ``backend``, the ranks first tell each other their GPUs through the store."""
+    """``init_process_group`` on torch's own rendezvous store for ``url`` under a prefix (of
+    the torchrun restart, on torchrun's agent store); ``timeout`` (default torch's) bounds
+    every wait, collectives too. Without ``backend``, the ranks first tell each other their
+    GPUs through the store."""
     limit = timeout or default_pg_timeout
     store, rank, world_size = next(
         dist.rendezvous(
@@ -270,10 +271,16 @@ def _form_group(
         )
     )
     store.set_timeout(limit)
-    # torchrun keeps its store across restarts (the static rendezvous always, c10d unless
-    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): without the prefix a restarted group can read the
-    # dead workers' gloo addresses ("connectFullMesh ... Connection refused", or a hang).
-    store = dist.PrefixStore(f"fastdist/restart{_restart_count()}", store)
+    # torchrun's agent store lives across restarts (the static rendezvous always, c10d unless
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): without the restart in the prefix a restarted
+    # group can read the dead workers' gloo addresses ("connectFullMesh ... Connection
+    # refused", or a hang). Otherwise rank 0 hosts a new store each round, and the restart
+    # count must stay out: an agent that joins an elastic job later counts from 0, so its
+    # ranks would wait under another prefix than the others' until the timeout.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.PrefixStore(
+        f"fastdist/restart{_restart_count()}" if agent_store else "fastdist", store
+    )
     if backend is None:
         assert device is not None
         gpus = _exchange(
