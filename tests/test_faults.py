@@ -216,3 +216,18 @@ store = dist.TCPStore("127.0.0.1", {port}, None, True, timedelta(seconds=60),
 print("up", flush=True)
 time.sleep(120)
 """
+
+
+def test_a_report_names_the_ranks_that_did_not_fail_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ranks in the same collective, rank 1 cut off: rank 0's positions cannot tell it
+    (both "step 6, phase sync"); the ranks that do not publish a failure within the wait can."""
+    store = dist.TCPStore("127.0.0.1", free_port(), 3, True, timedelta(seconds=10), False)
+    boards = [position.PositionBoard(rank=r, world_size=3) for r in range(3)]
+    for board in boards:
+        board.store = store
+        board.publish(epoch=1, step=6, phase="sync")
+    boards[2].publish_failure("RuntimeError: Timed out")  # rank 2 failed too; rank 1 is silent
+    assert "not at this rank's position" not in boards[0].report()
+    start = time.monotonic()
+    assert boards[0].silent_ranks(0.5) == [1]
+    assert 0.5 <= time.monotonic() - start < 3

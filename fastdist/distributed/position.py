@@ -87,38 +87,63 @@ class PositionBoard:
         return ", ".join(parts) or "not started"
 
     def report(self) -> str:
-        """One block: this rank's position, the others' last known ones, the ranks missing
-        (every store read within :data:`STORE_WAIT_S`: a rank cut off from the store's host
-        names the ranks it cannot hear from as unreachable instead of waiting)."""
+        """One block: this rank's position, the others' last known ones, the ranks missing.
+
+        Every store read is bounded by :data:`STORE_WAIT_S`: a rank cut off from the store's
+        host names the others as unreachable instead of waiting.
+        """
         own = {k: v for k, v in self.fields.items() if k != "failed"}  # the headline says it
         lines = [f"  rank {self.rank} (this rank): {self.describe(own)}"]
+        records, unreachable = self._gather(0.0)
         missing = []
-        unreachable = ""  # why the store did not answer: the ranks left are not asked
         for rank in range(self.world_size):
             if rank == self.rank:
                 continue
-            try:
-                if unreachable:  # one wait for the store is enough
-                    raise TimeoutError(unreachable)
-                other = within(STORE_WAIT_S, functools.partial(self._fetch, rank))
-            except Exception as exc:  # cut off from the store's host, or it is gone
-                unreachable = unreachable or f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            other = records.get(rank)
+            if unreachable:
                 lines.append(
                     f"  rank {rank}: unreachable (the store did not answer: {unreachable})"
                 )
                 missing.append(rank)
-                continue
-            if other is None:
+            elif other is None:
                 lines.append(f"  rank {rank}: no position published")
                 missing.append(rank)
-                continue
-            age = time.time() - other.pop("time", time.time())
-            lines.append(f"  rank {rank}: {self.describe(other)} (published {age:.0f} s ago)")
-            if any(other.get(k) != self.fields.get(k) for k in ("epoch", "step", "phase")):
-                missing.append(rank)
+            else:
+                age = time.time() - other.pop("time", time.time())
+                lines.append(f"  rank {rank}: {self.describe(other)} (published {age:.0f} s ago)")
+                if any(other.get(k) != self.fields.get(k) for k in ("epoch", "step", "phase")):
+                    missing.append(rank)
         if missing:
             lines.append(f"  ranks not at this rank's position: {missing}")
         return "\n".join(lines)
+
+    def silent_ranks(self, wait: float) -> list[int]:
+        """The ranks that have not published a failure after ``wait`` s (none where the store
+        does not answer): after a collective failed, those dead, stuck or cut off, which the
+        positions do not tell where every rank was in the same collective."""
+        records, unreachable = self._gather(wait)
+        return [
+            r
+            for r, record in records.items()
+            if not unreachable and not (record or {}).get("failed")
+        ]
+
+    def _gather(self, wait: float) -> tuple[dict[int, dict[str, Any] | None], str]:
+        """The other ranks' last published positions (``None``: none), once every one says
+        it failed or after ``wait`` s; and why the store did not answer (``""``: it did)."""
+        others = [rank for rank in range(self.world_size) if rank != self.rank]
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                records = {
+                    r: within(STORE_WAIT_S, functools.partial(self._fetch, r)) for r in others
+                }
+            except Exception as exc:  # cut off from the store's host, or it is gone
+                return {}, f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            failed = all(record and record.get("failed") for record in records.values())
+            if failed or time.monotonic() >= deadline:
+                return records, ""
+            time.sleep(0.2)
 
     def _read(self, rank: int) -> dict[str, Any] | None:
         try:

@@ -7,7 +7,7 @@ import types
 
 import torch.distributed as dist
 
-from fastdist.distributed.env import note_failure
+from fastdist.distributed.env import STORE_WAIT_S, note_failure
 from fastdist.distributed.position import PositionBoard
 from fastdist.logging import logger
 
@@ -27,7 +27,9 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
 
     A rank whose own code raised logs the error with its traceback; a rank whose collective
     failed (a peer died, or the timeout expired) logs the collective error and the positions,
-    which usually name the rank that is elsewhere.
+    which usually name the rank that is elsewhere; then the ranks that did not say within
+    :data:`~fastdist.distributed.env.STORE_WAIT_S` that they failed too (dead, stuck or cut
+    off: where all were in the same collective, only this names them).
     """
     note_failure(exc)
     summary = f"{type(exc).__name__}: {exc}".strip()
@@ -36,6 +38,13 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
         limit = f"{timeout:g} s (DistTrainer(timeout=...))" if timeout else "the group's timeout"
         headline = f"a collective failed on rank {board.rank} (waits are bounded by {limit})"
         logger.error("%s: %s\n%s", headline, summary, board.report())
+        silent = board.silent_ranks(STORE_WAIT_S)  # after the report: a SIGTERM may come
+        if silent:
+            logger.error(
+                "ranks that reported no failure within %g s (dead, stuck or cut off): %s",
+                STORE_WAIT_S,
+                silent,
+            )
     else:
         logger.error("rank %d raised %s\n%s", board.rank, summary, board.report(), exc_info=exc)
     exc.fastdist_reported = True  # type: ignore[attr-defined]
