@@ -110,6 +110,13 @@ def run_kills(
     return result
 
 
+def _written(kill: dict[str, Any]) -> str:
+    """What a checkpoint kill hit: a ``.pt`` file or DCP's shards."""
+    if kill["kind"] not in ("checkpoint", "rename"):
+        return ""
+    return " (DCP)" if kill["config"] == "fsdp" else " (.pt)"
+
+
 def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -124,7 +131,7 @@ def check_kills(out: Path, kills: list[dict[str, Any]], result: Result, table: T
     for attempt, kill in enumerate(kills):
         config = kill["config"]
         what = f"kill {attempt} ({json.dumps(kill, sort_keys=True)})"
-        counts = table.setdefault(f"kill: {kill['kind']}", Counts())
+        counts = table.setdefault(f"kill: {kill['kind']}{_written(kill)}", Counts())
         faulty, straight = out / "faulty" / config, out / "straight" / config
         problems, lost = [], False
         record = [r for r in done if r["attempt"] == attempt]

@@ -4,13 +4,14 @@ lands mid-training.
 
 Usage (under torchrun, one or several nodes)::
 
-    slow_worker.py OUT_DIR [--sleep S] [--epochs E] [--timeout T]
+    slow_worker.py OUT_DIR [--sleep S] [--sleep-alone A] [--epochs E] [--timeout T]
 
 Each attempt of each rank writes ``OUT_DIR/p<pid>.rank<R>.ids.jsonl``: a first line
 ``{"start", "start_step", "world"}`` (wall time, the step it resumed at, the world size), then
 resume_worker's IdLog line of every update it completed, each flushed at once; the update
-sleeps ``S`` s after it completed. ``OUT_DIR/done.rank<R>.json`` is written when training
-ended. Checkpoints go to ``OUT_DIR/run/checkpoints``, one per update.
+sleeps ``S`` s after it completed (``A`` s in a world of one process).
+``OUT_DIR/done.rank<R>.json`` is written when training ended. Checkpoints go to
+``OUT_DIR/run/checkpoints``, one per update.
 """
 
 from __future__ import annotations
@@ -51,11 +52,14 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--sleep", type=float, default=0.3)
+    parser.add_argument("--sleep-alone", type=float, default=None, help="default: --sleep")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=10.0)
     args = parser.parse_args(argv[1:])
     out = Path(args.out)
-    ids = SlowIdLog(out / f"p{os.getpid()}.rank{get_rank()}.ids.jsonl", args.sleep)
+    alone = args.sleep if args.sleep_alone is None else args.sleep_alone
+    sleep = alone if get_world_size() == 1 else args.sleep
+    ids = SlowIdLog(out / f"p{os.getpid()}.rank{get_rank()}.ids.jsonl", sleep)
     trainer = build_trainer(
         "plain", out / "run", callbacks=[ids], n_epochs=args.epochs, timeout=args.timeout
     )
