@@ -6,7 +6,7 @@ same launch. For each kill it checks that the next attempt resumed from the step
 left (``expect``) and that the updates it then trained were the straight run's (same samples,
 same loss); for each config's last kill, that the final parameters and the predictions equal
 the straight run's, bit for bit. The other kinds (disk full, a node lost, a network cut) are
-in :mod:`faults`.
+in tests/campaign_faults.py.
 
 The long campaign (>= 50 kills under DDP, FSDP and a stream, then one fault of every other
 kind)::
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: this fastdist
+from campaign_faults import disk_full, network_cut, node_lost  # noqa: E402
 from launch import Launch, Result, free_port, run_together, torchrun_command  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "workers" / "campaign_worker.py"
@@ -213,8 +214,6 @@ def kill_campaign(
 
 def other_faults(seed: int, out: Path, table: Table) -> None:
     """One fault of each other kind (disk full, node lost, network cut), from ``seed``."""
-    from campaign_faults import disk_full, network_cut, node_lost
-
     for kind, fault in (
         ("disk full", disk_full),
         ("node lost", node_lost),
