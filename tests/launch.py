@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -228,6 +228,45 @@ def run_together(launches: Sequence[Launch], timeout: float) -> list[Result]:
         described = "\n".join(r.describe() for r in results)
         raise AssertionError(f"launch timed out after {timeout} s\n{described}")
     return results
+
+
+@dataclass
+class Background:
+    """A launch running in the background (see :func:`started`), its output in ``log``."""
+
+    proc: subprocess.Popen[str]
+    token: str
+    log: Path
+
+    def kill(self) -> None:
+        """SIGKILL every process of the launch (as a machine that is lost)."""
+        _kill_launch(self.proc, self.token)
+        self.proc.wait()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def started(launch: Launch, log: Path) -> Iterator[Background]:
+    """Start ``launch`` in its own session, stdout and stderr to ``log``, and yield it; on
+    leaving, every process of it still running is killed."""
+    token = uuid.uuid4().hex
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            launch.cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_launch_env(launch.env, token),
+            cwd=launch.cwd if launch.cwd is not None else REPO_ROOT,
+            start_new_session=True,
+        )
+    background = Background(proc, token, log)
+    try:
+        yield background
+    finally:
+        background.kill()
 
 
 def _kill_launch(proc: subprocess.Popen[str], token: str) -> None:

@@ -1,6 +1,6 @@
 """Every desync or failure on one rank ends the whole 2-rank job with a clear, bounded error.
 
-Each test launches tests/workers/fault_worker.py with one fault, under torchrun with a
+Each test but the last launches tests/workers/fault_worker.py with one fault, under torchrun with a
 collective timeout of 8 s, and checks the exit code, the time it took and the words of the
 report (which rank, where).
 """
@@ -8,14 +8,21 @@ report (which rank, where).
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from launch import Result, run_torchrun
+import torch.distributed as dist
+from launch import Result, free_port, run_torchrun
 
 from fastdist.cli import main as cli_main
+from fastdist.distributed import position
 
 WORKER = Path(__file__).resolve().parent / "workers" / "fault_worker.py"
 TIMEOUT = 8.0  # fault_worker.TIMEOUT
@@ -200,3 +207,61 @@ def test_uneven_batches_are_refused_before_training(tmp_path: Path) -> None:
     for rank in (0, 1):
         assert f"[rank{rank}]: {message} per epoch ([16, 8], by rank)" in output
     assert "epoch 1 step" not in output  # no training started
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_cut_off_from_the_store_reports_within_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store's host stops answering (a network cut: here its process is stopped, so the
+    connection stays open and silent): the failure report of a rank cut off from it names
+    the other rank as unreachable after STORE_WAIT_S, instead of waiting forever in the
+    store's ``check`` (TCPStore waits for that reply without a bound)."""
+    monkeypatch.setattr(position, "STORE_WAIT_S", 0.5)
+    port = free_port()
+    host = subprocess.Popen(
+        [sys.executable, "-c", _STORE_HOST.format(port=port)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert host.stdout is not None and host.stdout.readline().strip() == "up"
+        store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60))
+        board = position.PositionBoard(rank=1, world_size=2)
+        board.store = store
+        board.publish(epoch=1, step=3, phase="sync")
+        os.kill(host.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        board.publish_failure("RuntimeError: Timed out")
+        report = board.report()
+        seconds = time.monotonic() - start
+    finally:
+        host.kill()
+        host.wait()
+    assert "rank 0: unreachable (the store did not answer: TimeoutError: the rendezvous" in report
+    assert "ranks not at this rank's position: [0]" in report
+    assert seconds < 3, f"{seconds:.1f} s: {report}"
+
+
+_STORE_HOST = """
+import time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", {port}, None, True, timedelta(seconds=60),
+                      wait_for_workers=False)
+print("up", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_report_names_the_ranks_that_did_not_fail_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ranks in the same collective, rank 1 cut off: rank 0's positions cannot tell it
+    (both "step 6, phase sync"); the ranks that do not publish a failure within the wait can."""
+    store = dist.TCPStore("127.0.0.1", free_port(), 3, True, timedelta(seconds=10), False)
+    boards = [position.PositionBoard(rank=r, world_size=3) for r in range(3)]
+    for board in boards:
+        board.store = store
+        board.publish(epoch=1, step=6, phase="sync")
+    boards[2].publish_failure("RuntimeError: Timed out")  # rank 2 failed too; rank 1 is silent
+    assert "not at this rank's position" not in boards[0].report()
+    start = time.monotonic()
+    assert boards[0].silent_ranks(0.5) == [1]
+    assert 0.5 <= time.monotonic() - start < 3

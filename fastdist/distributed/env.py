@@ -15,7 +15,9 @@ import gc
 import os
 import socket
 import sys
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -257,9 +259,10 @@ def _form_group(
     device: torch.device | None,
     exclusive: bool,
 ) -> None:
-    """``init_process_group`` on torch's own rendezvous store for ``url`` under a prefix of
-    the torchrun restart; ``timeout`` (default torch's) bounds every wait, collectives too.
-    Without ``backend``, the ranks first tell each other their GPUs through the store."""
+    """``init_process_group`` on torch's own rendezvous store for ``url`` under a prefix (of
+    the torchrun restart, on torchrun's agent store); ``timeout`` (default torch's) bounds
+    every wait, collectives too. Without ``backend``, the ranks first tell each other their
+    GPUs through the store."""
     limit = timeout or default_pg_timeout
     store, rank, world_size = next(
         dist.rendezvous(
@@ -270,10 +273,16 @@ def _form_group(
         )
     )
     store.set_timeout(limit)
-    # torchrun keeps its store across restarts (the static rendezvous always, c10d unless
-    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): without the prefix a restarted group can read the
-    # dead workers' gloo addresses ("connectFullMesh ... Connection refused", or a hang).
-    store = dist.PrefixStore(f"fastdist/restart{_restart_count()}", store)
+    # torchrun's agent store lives across restarts (the static rendezvous always, c10d unless
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): without the restart in the prefix a restarted
+    # group can read the dead workers' gloo addresses ("connectFullMesh ... Connection
+    # refused", or a hang). Otherwise rank 0 hosts a new store each round, and the restart
+    # count must stay out: an agent that joins an elastic job later counts from 0, so its
+    # ranks would wait under another prefix than the others' until the timeout.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.PrefixStore(
+        f"fastdist/restart{_restart_count()}" if agent_store else "fastdist", store
+    )
     if backend is None:
         assert device is not None
         gpus = _exchange(
@@ -291,6 +300,35 @@ def _exchange(store: Any, rank: int, world_size: int, key: str, value: str) -> l
     return [store.get(f"{key}/{r}").decode() for r in range(world_size)]
 
 
+T = TypeVar("T")
+#: Seconds a failing or exiting rank waits for the rendezvous store: its host may be cut off
+#: from this rank (a network cut), where a store call would wait forever (TCPStore's
+#: ``check`` and ``add`` wait for the reply without a bound, whatever ``set_timeout`` says).
+STORE_WAIT_S = 5.0
+
+
+def within(seconds: float, call: Callable[[], T]) -> T:
+    """``call()``, or ``TimeoutError`` after ``seconds`` (the call is left running in a daemon
+    thread). For store calls on a failure path, where the store's host may not answer."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(call())
+        except BaseException as exc:
+            error.append(exc)
+
+    thread = threading.Thread(target=target, name="fastdist-store-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if error:
+        raise error[0]
+    if not result:
+        raise TimeoutError(f"the rendezvous store did not answer within {seconds:g} s")
+    return result[0]
+
+
 #: The store key each rank sets when its script ends, and the count of those ranks (read by
 #: :func:`fastdist.distributed.position.enter_on_every_rank`).
 EXITING, EXITED_COUNT = "fastdist/exiting/{}", "fastdist/exiting"
@@ -301,8 +339,13 @@ def _destroy_if_initialized() -> None:
         return
     with contextlib.suppress(Exception):  # tell ranks waiting for this one not to wait
         store = dist.distributed_c10d._get_default_store()
-        store.set(EXITING.format(get_rank()), "")
-        store.add(EXITED_COUNT, 1)
+        key = EXITING.format(get_rank())
+
+        def tell() -> int:
+            store.set(key, "")
+            return store.add(EXITED_COUNT, 1)
+
+        within(STORE_WAIT_S, tell)
     # Free dead trainers (callbacks and trainer reference each other, so only the cycle
     # collector frees them) while the interpreter is whole: a DDP reducer torn down during
     # interpreter finalization aborts the process ("terminate called without an active

@@ -11,6 +11,7 @@ write one readable report.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import math
 import time
@@ -19,7 +20,14 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from fastdist.distributed.env import EXITED_COUNT, EXITING, get_rank, get_world_size
+from fastdist.distributed.env import (
+    EXITED_COUNT,
+    EXITING,
+    STORE_WAIT_S,
+    get_rank,
+    get_world_size,
+    within,
+)
 
 _KEY = "fastdist/position/{}"
 _ENTERED = "fastdist/entered/{}/{}"  # a call's name and its number on each rank; one count
@@ -61,6 +69,14 @@ class PositionBoard:
             self.store.set(_KEY.format(self.rank), json.dumps(record))
             self._published = time.monotonic()
 
+    def publish_failure(self, summary: str) -> None:
+        """Publish that this rank failed with ``summary``, within :data:`STORE_WAIT_S` (the
+        store's host may be out of reach: then only this rank's report says it)."""
+        try:
+            within(STORE_WAIT_S, lambda: self.publish(failed=summary))
+        except Exception:
+            self.fields.update(failed=summary)
+
     def describe(self, fields: dict[str, Any]) -> str:
         """``epoch 1, step 3, phase train, in Printer.on_step_end`` from a position record."""
         parts = [f"{k} {fields[k]}" for k in ("epoch", "step", "phase") if k in fields]
@@ -71,36 +87,78 @@ class PositionBoard:
         return ", ".join(parts) or "not started"
 
     def report(self) -> str:
-        """One block: this rank's position, the others' last known ones, the ranks missing."""
+        """One block: this rank's position, the others' last known ones, the ranks missing.
+
+        Every store read is bounded by :data:`STORE_WAIT_S`: a rank cut off from the store's
+        host names the others as unreachable instead of waiting.
+        """
         own = {k: v for k, v in self.fields.items() if k != "failed"}  # the headline says it
         lines = [f"  rank {self.rank} (this rank): {self.describe(own)}"]
+        records, unreachable = self._gather(0.0)
         missing = []
         for rank in range(self.world_size):
             if rank == self.rank:
                 continue
-            other = self._read(rank)
-            if other is None:
+            other = records.get(rank)
+            if unreachable:
+                lines.append(
+                    f"  rank {rank}: unreachable (the store did not answer: {unreachable})"
+                )
+                missing.append(rank)
+            elif other is None:
                 lines.append(f"  rank {rank}: no position published")
                 missing.append(rank)
-                continue
-            age = time.time() - other.pop("time", time.time())
-            lines.append(f"  rank {rank}: {self.describe(other)} (published {age:.0f} s ago)")
-            if any(other.get(k) != self.fields.get(k) for k in ("epoch", "step", "phase")):
-                missing.append(rank)
+            else:
+                age = time.time() - other.pop("time", time.time())
+                lines.append(f"  rank {rank}: {self.describe(other)} (published {age:.0f} s ago)")
+                if any(other.get(k) != self.fields.get(k) for k in ("epoch", "step", "phase")):
+                    missing.append(rank)
         if missing:
             lines.append(f"  ranks not at this rank's position: {missing}")
         return "\n".join(lines)
 
+    def silent_ranks(self, wait: float) -> list[int]:
+        """The ranks that have not published a failure after ``wait`` s (none where the store
+        does not answer): after a collective failed, those dead, stuck or cut off, which the
+        positions do not tell where every rank was in the same collective."""
+        records, unreachable = self._gather(wait)
+        return [
+            r
+            for r, record in records.items()
+            if not unreachable and not (record or {}).get("failed")
+        ]
+
+    def _gather(self, wait: float) -> tuple[dict[int, dict[str, Any] | None], str]:
+        """The other ranks' last published positions (``None``: none), once every one says
+        it failed or after ``wait`` s; and why the store did not answer (``""``: it did)."""
+        others = [rank for rank in range(self.world_size) if rank != self.rank]
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                records = {
+                    r: within(STORE_WAIT_S, functools.partial(self._fetch, r)) for r in others
+                }
+            except Exception as exc:  # cut off from the store's host, or it is gone
+                return {}, f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            failed = all(record and record.get("failed") for record in records.values())
+            if failed or time.monotonic() >= deadline:
+                return records, ""
+            time.sleep(0.2)
+
     def _read(self, rank: int) -> dict[str, Any] | None:
+        try:
+            return self._fetch(rank)
+        except Exception:  # the store's host may be gone too; report what we know
+            return None
+
+    def _fetch(self, rank: int) -> dict[str, Any] | None:
+        """``rank``'s last published position (``None``: none); raises where the store fails."""
         if self.store is None:
             return None
         key = _KEY.format(rank)
-        try:
-            if not self.store.check([key]):
-                return None
-            return json.loads(self.store.get(key))
-        except Exception:  # the store's host may be gone too; report what we know
+        if not self.store.check([key]):
             return None
+        return json.loads(self.store.get(key))
 
 
 _calls: collections.Counter[str] = collections.Counter()  # this process's calls by name

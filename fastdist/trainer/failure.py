@@ -8,7 +8,7 @@ import types
 import torch.distributed as dist
 
 from fastdist.distributed import hang
-from fastdist.distributed.env import note_failure
+from fastdist.distributed.env import STORE_WAIT_S, note_failure, within
 from fastdist.distributed.hang_report import describe
 from fastdist.distributed.position import PositionBoard
 from fastdist.logging import logger
@@ -28,19 +28,32 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
     """Log where every rank is and what failed, once; the traceback only where it started.
 
     A rank whose own code raised logs the error with its traceback; a rank whose collective
-    failed (a peer died, or the timeout expired) logs the collective error, the positions, which
-    usually name the rank that is elsewhere, and the hang report: each rank's collective and
-    Python line (:mod:`fastdist.distributed.hang`).
+    failed (a peer died, or the timeout expired) logs the collective error and the positions,
+    which usually name the rank that is elsewhere; then the ranks that did not say within
+    :data:`~fastdist.distributed.env.STORE_WAIT_S` that they failed too (dead, stuck or cut
+    off: where all were in the same collective, only this names them); then the hang report:
+    each rank's collective and Python line (:mod:`fastdist.distributed.hang`). Every wait on
+    the store is bounded: its host may be cut off from this rank.
     """
     note_failure(exc)
     hang.note_failure(exc)
     summary = f"{type(exc).__name__}: {exc}".strip()
-    board.publish(failed=summary[:300])
+    board.publish_failure(summary[:300])
     if is_collective_failure(exc):
         limit = f"{timeout:g} s (DistTrainer(timeout=...))" if timeout else "the group's timeout"
         headline = f"a collective failed on rank {board.rank} (waits are bounded by {limit})"
         logger.error("%s: %s\n%s", headline, summary, board.report())  # before torchrun's SIGTERM
-        records = hang.collect(board.world_size)  # up to 5 s; none in a one-process world
+        silent = board.silent_ranks(STORE_WAIT_S)
+        if silent:
+            logger.error(
+                "ranks that reported no failure within %g s (dead, stuck or cut off): %s",
+                STORE_WAIT_S,
+                silent,
+            )
+        try:  # up to ANSWER_WAIT_S; none in a one-process world
+            records = within(hang.ANSWER_WAIT_S + 1, lambda: hang.collect(board.world_size))
+        except Exception:  # the store's host is out of reach: the report above stands
+            records = {}
         if records:
             logger.error("%s:\n%s", _dumps(), describe(records, board.world_size))
     else:

@@ -9,11 +9,14 @@ Usage (under torchrun)::
 ``false`` or a path; an optional ``"fill": [STEP, FILE]`` makes rank 0 fill the checkpoints'
 filesystem with ``FILE`` after update STEP, leaving half a checkpoint's space, or none with
 ``"fill": [STEP, FILE, 0]``; an optional ``"checkpoint_dir"`` moves the checkpoints there;
-``"evaluate": true`` evaluates every epoch, keeping the best model in a file); the cases
+``"evaluate": true`` evaluates every epoch, keeping the best model in a file; rank 0 deletes
+the file ``"unfill"`` names first, if any: space freed); the cases
 run in order in one process (group), each a trainer of resume_worker.py's ``config`` that
 trains with ``train(resume=...)``. Rank R writes
 ``OUT_DIR/<name>.rank<R>.json``: ``{"error": "<type>: <message>"}`` when ``train()`` raised,
-else the step it started at and its final parameters (this rank's shards).
+else the step it started at and its final parameters (this rank's shards). After a case
+that raised, rank 0 writes ``OUT_DIR/<name>.left.json``: the names in the checkpoint directory
+and the steps its manifest lists.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class FillDisk(Callback):
 
 
 def run_case(case: dict[str, Any], out: Path) -> dict[str, Any]:
+    if "unfill" in case and get_rank() == 0:
+        os.unlink(case["unfill"])
     ids = IdLog(out / f"{case['name']}.rank{get_rank()}.ids.jsonl")
     save_path = Path(case["save_path"])
     checkpoints = Path(case.get("checkpoint_dir", save_path / "checkpoints"))
@@ -74,6 +79,13 @@ def run_case(case: dict[str, Any], out: Path) -> dict[str, Any]:
     try:
         trainer.train(resume=case["resume"])
     except Exception as exc:  # the outcome under test: the same on every rank
+        if get_rank() == 0 and (checkpoints / "manifest.json").exists():
+            manifest = json.loads((checkpoints / "manifest.json").read_text())
+            left = {
+                "names": sorted(os.listdir(checkpoints)),
+                "steps": [e["step"] for e in manifest],
+            }
+            write_json(out / f"{case['name']}.left.json", left)
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         ids.file.close()

@@ -183,10 +183,12 @@ def build_trainer(
     callbacks: list[Callback] | None = None,
     batch: int = BATCH,
     callbacks_master: list[Callback] | None = None,
+    n_epochs: int = N_EPOCHS,
+    train_data: Any = None,
     **options: Any,
 ) -> DistTrainer:
-    """The trainer of ``config``, built from fixed seeds (the same in every attempt);
-    ``options``: more DistTrainer arguments."""
+    """The trainer of ``config``, built from fixed seeds (the same in every attempt), on
+    ``train_data`` (default ``ToyData(N_SAMPLES)``); ``options``: more DistTrainer arguments."""
     update_every, schedule, strategy, dropout, keep = CONFIGS[config]
     torch.manual_seed(1234)  # the model's init and the first dropout masks
     model = DropNet(dropout)
@@ -197,14 +199,14 @@ def build_trainer(
         step_lr = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         lr_callback = LRSchedulerCallback(step_lr, interval="epoch")
     return DistTrainer(
-        ToyData(N_SAMPLES),
+        ToyData(N_SAMPLES) if train_data is None else train_data,
         model,
         optimizer,
         loss=CrossEntropyLoss(),
         callbacks_all=[lr_callback, *(callbacks or [])],
         callbacks_master=callbacks_master,
         batch_size_per_gpu=batch,
-        n_epochs=N_EPOCHS,
+        n_epochs=n_epochs,
         update_every=update_every,
         print_every=2,
         save_path=str(save_path),
