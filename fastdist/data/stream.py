@@ -4,15 +4,16 @@ Every reader (each DataLoader worker of each rank, or each rank without workers)
 disjoint part of the stream: item ``i`` goes to reader ``i % readers`` (:class:`StreamShard`),
 unless the dataset already reads only its own part and says so (:class:`ShardedStream`).
 Nobody knows in advance how many batches a rank gets, so the ranks agree on them before
-training on them: every rank reads its next ``AGREED_MICRO_BATCHES`` batches (whole update
-windows of ``update_every``) and one small all-reduce (CPU, on a gloo group of its own) gives
-every rank every rank's batch sizes (:meth:`StreamBatches._agree`). From them each rank
+training on them: every rank reads its next whole update windows of ``update_every`` batches
+(:data:`AGREED_UPDATES` of them, fewer where their batches would exceed the host-memory budget
+``read_ahead_mb``) and one small all-reduce (CPU, on a gloo group of its own) gives every rank
+every rank's batch sizes (:meth:`StreamBatches._agree`). From them each rank
 weighs its micro-batches exactly as for map-style data
 (:func:`~fastdist.data.batches.window_weights`), a rank with fewer batches repeats the last
 batch it read with weight 0 (a filler) to stay in step, and the epoch ends on every rank
 together after the last window in which some rank has a batch. The next agreement starts
-while the current one's last window trains; one all-reduce per ``AGREED_MICRO_BATCHES``
-micro-batches brings streams to map-style speed (docs/benchmarks.rst).
+while the current one's last window trains; one all-reduce per several updates brings streams
+to map-style speed (docs/benchmarks.rst).
 
 Resume: a dataset with ``state_dict()``/``load_state_dict()`` (torchdata's ``Stateful``: the
 position of its current iteration; loaded before the next ``iter()``, in the worker that reads)
@@ -38,9 +39,9 @@ from fastdist.data.batches import window_weights
 from fastdist.distributed.collectives import start_all_reduce_sum
 from fastdist.logging import logger
 
-# Micro-batches per rank that one agreement all-reduce covers: its ~0.1-1 ms (2 CPU processes,
-# gloo) is shared by that many, at the cost of holding as many batches read ahead.
-AGREED_MICRO_BATCHES = 16
+#: Updates that one agreement all-reduce covers at most: its ~0.1-1 ms (2 CPU processes, gloo)
+#: is shared by that many, at the cost of holding their batches read ahead (within the budget).
+AGREED_UPDATES = 16
 Window = tuple[list[tuple[int, Any]], "dict[str, Any] | None"]  # (size, batch)s, position after
 
 
@@ -173,6 +174,17 @@ class ShardedStream(EpochCarrier):
         self.dataset.load_state_dict(state)
 
 
+def batch_bytes(batch: Any) -> int:
+    """Bytes of the tensors in a (nested) dict, list or tuple batch."""
+    if isinstance(batch, torch.Tensor):
+        return batch.nbytes
+    if isinstance(batch, dict):
+        return sum(map(batch_bytes, batch.values()))
+    if isinstance(batch, (list, tuple)):
+        return sum(map(batch_bytes, batch))
+    return 0
+
+
 class CountingCollate:
     """A ``collate_fn`` that also returns how many samples the batch holds."""
 
@@ -194,6 +206,9 @@ class StreamBatches:
     :meth:`state_dict` is the loader's position after the window yielded last.
 
     Args:
+        read_ahead_mb: host memory (MiB) the windows read ahead may hold: as many whole windows
+            as fit, up to :data:`AGREED_UPDATES`, at least one; sized from the largest batch
+            any rank read first in the pass.
         group: a gloo (CPU) group of its own for the agreement on the sizes, so it never waits
             for a GPU or queues behind the gradient all-reduce.
         wait: a context manager factory timing the agreement as collective wait.
@@ -209,12 +224,14 @@ class StreamBatches:
         rank: int,
         world_size: int,
         update_every: int,
+        read_ahead_mb: float = 256.0,
         group: Any = None,
         wait: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         collate_fn: Callable | None = None,
         **loader_options: Any,
     ) -> None:
         self.rank, self.world_size, self.update_every = rank, world_size, update_every
+        self.read_ahead_mb = read_ahead_mb
         self.group, self.wait = group, wait
         self.source: EpochCarrier
         if isinstance(data, ShardedStream):  # reads its own part: taken as it is
@@ -241,7 +258,7 @@ class StreamBatches:
                 **loader_options,
             )
         self.num_workers = loader_options.get("num_workers", 0)
-        self.windows_per_agreement = max(1, AGREED_MICRO_BATCHES // update_every)
+        self.windows_per_agreement = AGREED_UPDATES  # sized anew at each pass's start
         self.weights: list[float] = []
         self.samples: list[int] = []  # this rank's micro-batch sizes, fillers 0
         self.exhausted = False  # this rank's stream has ended in the current pass
@@ -273,8 +290,9 @@ class StreamBatches:
         return self._windows(iter(()) if self.exhausted else iter(self.loader))
 
     def _windows(self, batches: Iterator[tuple[int, Any]]) -> Iterator[Any]:
-        k, count = self.update_every, self.windows_per_agreement
-        group = self._read(batches, count)
+        k, group = self.update_every, self._read(batches, 1)
+        count = self.windows_per_agreement = self._size_read_ahead(group)
+        group += self._read(batches, count - 1)
         agreed = self._agree(group)
         while True:
             for j, sizes in enumerate(agreed()):
@@ -307,6 +325,18 @@ class StreamBatches:
                 self.last = own[-1][1]
             windows.append((own, self._loader_state()))
         return windows
+
+    def _size_read_ahead(self, first: list[Window]) -> int:
+        """Windows per agreement that fit the ``read_ahead_mb`` budget, from the largest batch
+        of the pass's first window on any rank (one all-reduce: every rank agrees the same)."""
+        own = max((batch_bytes(batch) for pairs, _ in first for _, batch in pairs), default=0)
+        vector = torch.zeros(self.world_size, dtype=torch.float64)
+        vector[self.rank] = float(own)
+        with self.wait():
+            largest = max(start_all_reduce_sum(vector, self.group)().tolist())
+        window_mb = largest * self.update_every / 2**20
+        fit = int(self.read_ahead_mb // window_mb) if window_mb else AGREED_UPDATES
+        return min(max(fit, 1), AGREED_UPDATES)
 
     def _agree(self, windows: list[Window]) -> Callable[[], list[list[list[int]]]]:
         """Start the all-reduce that tells every rank every rank's batch sizes of the
