@@ -4,16 +4,13 @@ Every reader (each DataLoader worker of each rank, or each rank without workers)
 disjoint part of the stream: item ``i`` goes to reader ``i % readers`` (:class:`StreamShard`),
 unless the dataset already reads only its own part and says so (:class:`ShardedStream`).
 Nobody knows in advance how many batches a rank gets, so the ranks agree on them before
-training on them: every rank reads its next whole update windows of ``update_every`` batches
-(:data:`AGREED_UPDATES` of them, fewer where their batches would exceed the host-memory budget
-``read_ahead_mb``) and one small all-reduce (CPU, on a gloo group of its own) gives every rank
-every rank's batch sizes (:meth:`StreamBatches._agree`). From them each rank
-weighs its micro-batches exactly as for map-style data
-(:func:`~fastdist.data.batches.window_weights`), a rank with fewer batches repeats the last
-batch it read with weight 0 (a filler) to stay in step, and the epoch ends on every rank
-together after the last window in which some rank has a batch. The next agreement starts
-while the current one's last window trains; one all-reduce per several updates brings streams
-to map-style speed (docs/benchmarks.rst).
+training on them: every rank reads its next :data:`AGREED_UPDATES` update windows (fewer where
+they exceed ``read_ahead_mb``) and one small all-reduce (CPU, on a gloo group of its own)
+gives every rank every rank's batch sizes (:meth:`StreamBatches._agree`). From them each rank
+weighs its micro-batches as for map-style data (:func:`~fastdist.data.batches.window_weights`),
+a rank with fewer batches repeats its last batch with weight 0 (a filler), and the epoch ends
+on every rank after the last window in which some rank has a batch. The next agreement starts
+while the current one's last window trains (docs/benchmarks.rst).
 
 Resume: a dataset with ``state_dict()``/``load_state_dict()`` (torchdata's ``Stateful``: the
 position of its current iteration; loaded before the next ``iter()``, in the worker that reads)
@@ -36,11 +33,11 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data.dataloader import default_collate
 
 from fastdist.data.batches import window_weights
+from fastdist.data.feed import CountingCollate, batch_bytes
 from fastdist.distributed.collectives import start_all_reduce_sum
 from fastdist.logging import logger
 
-#: Updates that one agreement all-reduce covers at most: its ~0.1-1 ms (2 CPU processes, gloo)
-#: is shared by that many, at the cost of holding their batches read ahead (within the budget).
+#: Updates one agreement all-reduce (~0.1-1 ms on 2 CPU processes) covers at most.
 AGREED_UPDATES = 16
 Window = tuple[list[tuple[int, Any]], "dict[str, Any] | None"]  # (size, batch)s, position after
 
@@ -174,43 +171,19 @@ class ShardedStream(EpochCarrier):
         self.dataset.load_state_dict(state)
 
 
-def batch_bytes(batch: Any) -> int:
-    """Bytes of the tensors in a (nested) dict, list or tuple batch."""
-    if isinstance(batch, torch.Tensor):
-        return batch.nbytes
-    if isinstance(batch, dict):
-        return sum(map(batch_bytes, batch.values()))
-    if isinstance(batch, (list, tuple)):
-        return sum(map(batch_bytes, batch))
-    return 0
-
-
-class CountingCollate:
-    """A ``collate_fn`` that also returns how many samples the batch holds."""
-
-    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
-        self.collate = collate
-
-    def __call__(self, samples: list[Any]) -> tuple[int, Any]:
-        return len(samples), self.collate(samples)
-
-
 class StreamBatches:
     """This rank's batches of a stream, an update window at a time (see the module docstring).
 
     The interface of :class:`~fastdist.data.TrainBatches`, with what a stream cannot know in
-    advance left unknown: ``n_updates`` is ``None`` and ``ends_pass`` is never true
-    before the end. ``weights`` grows by one window just before the window's first batch is
-    yielded, so after a window's last batch ``len(weights)`` is the micro-batches so far. The
-    windows of one agreement (``windows_per_agreement``) are read ahead together;
-    :meth:`state_dict` is the loader's position after the window yielded last.
+    advance left unknown: ``n_updates`` is ``None`` and ``ends_pass`` is never true before the
+    end. ``weights`` grows by one window just before its first batch is yielded, so after a
+    window's last batch ``len(weights)`` is the micro-batches so far. The windows of one
+    agreement are read ahead together; :meth:`state_dict` is the loader's position after the
+    window yielded last.
 
     Args:
-        read_ahead_mb: host memory (MiB) the windows read ahead may hold: as many whole windows
-            as fit, up to :data:`AGREED_UPDATES`, at least one; sized from the largest batch
-            any rank read first in the pass.
-        group: a gloo (CPU) group of its own for the agreement on the sizes, so it never waits
-            for a GPU or queues behind the gradient all-reduce.
+        read_ahead_mb: host memory (MiB) the windows read ahead may hold.
+        group: a gloo (CPU) group of its own for the agreement (never behind a GPU or DDP).
         wait: a context manager factory timing the agreement as collective wait.
     """
 
@@ -258,7 +231,6 @@ class StreamBatches:
                 **loader_options,
             )
         self.num_workers = loader_options.get("num_workers", 0)
-        self.windows_per_agreement = AGREED_UPDATES  # sized anew at each pass's start
         self.weights: list[float] = []
         self.samples: list[int] = []  # this rank's micro-batch sizes, fillers 0
         self.exhausted = False  # this rank's stream has ended in the current pass
@@ -291,7 +263,7 @@ class StreamBatches:
 
     def _windows(self, batches: Iterator[tuple[int, Any]]) -> Iterator[Any]:
         k, group = self.update_every, self._read(batches, 1)
-        count = self.windows_per_agreement = self._size_read_ahead(group)
+        count = self._size_read_ahead(group)
         group += self._read(batches, count - 1)
         agreed = self._agree(group)
         while True:
@@ -327,14 +299,13 @@ class StreamBatches:
         return windows
 
     def _size_read_ahead(self, first: list[Window]) -> int:
-        """Windows per agreement that fit the ``read_ahead_mb`` budget, from the largest batch
-        of the pass's first window on any rank (one all-reduce: every rank agrees the same)."""
-        own = max((batch_bytes(batch) for pairs, _ in first for _, batch in pairs), default=0)
-        vector = torch.zeros(self.world_size, dtype=torch.float64)
-        vector[self.rank] = float(own)
+        """Windows per agreement within ``read_ahead_mb``, from the largest batch of the pass's
+        first window on any rank (one all-reduce: every rank finds the same)."""
+        sizes = torch.zeros(self.world_size, dtype=torch.float64)
+        sizes[self.rank] = max((batch_bytes(b) for pairs, _ in first for _, b in pairs), default=0)
         with self.wait():
-            largest = max(start_all_reduce_sum(vector, self.group)().tolist())
-        window_mb = largest * self.update_every / 2**20
+            window_mb = max(start_all_reduce_sum(sizes, self.group)().tolist()) / 2**20
+        window_mb *= self.update_every
         fit = int(self.read_ahead_mb // window_mb) if window_mb else AGREED_UPDATES
         return min(max(fit, 1), AGREED_UPDATES)
 
