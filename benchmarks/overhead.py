@@ -9,7 +9,9 @@ data, alternately (the order flips every round), each on a fresh model. For each
 the main (training) thread's CPU time and the wall time per update after a warm-up. The
 thread's CPU time is the host work of the loop itself: a wait in a collective is not CPU time,
 and other processes' load barely moves it, so the difference fastdist - hand in the same round
-is fastdist's own cost per update (median over the rounds, with min..max). Then one more
+is fastdist's own cost per update (median over the rounds, with min..max); from ``ddp`` (1
+micro-batch per update) and ``accumulation`` (4) it splits into a cost per micro-batch and
+one per update. Then one more
 fastdist run per case under ``cProfile`` (timed by the thread's CPU clock) sums the time spent
 in fastdist's own frames (self time of functions in ``fastdist/``) and names the 5 largest.
 cProfile adds its own cost to every Python call, so those profiled figures overstate; their
@@ -303,6 +305,12 @@ def spread(values: list[float], digits: int) -> str:
     return f"{median:8.{digits}f} ({low:.{digits}f}..{high:.{digits}f})"
 
 
+def per_round_extra(result: dict[str, Any]) -> list[float]:
+    """fastdist's CPU us per update over the hand loop's, round by round."""
+    hand, ours = result["times"]["hand"], result["times"]["fastdist"]
+    return [f[1] - h[1] for f, h in zip(ours, hand, strict=True)]
+
+
 def report(results: dict[str, Any], rounds: int) -> None:
     """Per case: wall and CPU per update of both loops, fastdist's extra, its top frames."""
     print(f"2 processes, gloo, OMP_NUM_THREADS=1; medians of {rounds} rounds (min..max)")
@@ -313,13 +321,19 @@ def report(results: dict[str, Any], rounds: int) -> None:
     for name, result in results.items():
         hand, ours = result["times"]["hand"], result["times"]["fastdist"]
         ratios = [f[0] / h[0] for f, h in zip(ours, hand, strict=True)]
-        extra = [f[1] - h[1] for f, h in zip(ours, hand, strict=True)]
+        extra = per_round_extra(result)
         hand_wall = statistics.median(h[0] for h in hand)
         ours_wall = statistics.median(f[0] for f in ours)
         print(
             f"{name:<13}{hand_wall:12.0f}{ours_wall:10.0f}  {spread(ratios, 3)}  "
             f"{spread(extra, 0)}  {result['profile']['total_us']:12.1f}"
         )
+    if "ddp" in results and "accumulation" in results:  # 1 and 4 micro-batches per update
+        ddp, acc = (per_round_extra(results[name]) for name in ("ddp", "accumulation"))
+        micro = [(a - d) / 3 for a, d in zip(acc, ddp, strict=True)]
+        update = [d - m for d, m in zip(ddp, micro, strict=True)]
+        print(f"own CPU us per micro-batch, (accumulation - ddp) / 3: {spread(micro, 1)}")
+        print(f"own CPU us per update, ddp - per micro-batch:        {spread(update, 1)}")
     for name, result in results.items():
         top = ", ".join(f"{key} {us:.1f}" for key, us in result["profile"]["top"])
         print(f"  {name}: {top}")

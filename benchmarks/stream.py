@@ -9,9 +9,9 @@ one after the other in the same job (the order reverses every round), on the sam
 from its ``TensorDataset`` (the default sampler); as an ``IterableDataset`` that every rank
 reads whole, keeping its part (``StreamShard``: each rank pays ``world_size`` passes of
 reading); and as one that reads only its own part, wrapped in ``ShardedStream`` (as streaming
-libraries split by rank). Both streams agree on batch sizes once per ``AGREED_MICRO_BATCHES``
-micro-batches. Prints ms per update after the warm-up, the ratios to map-style per round,
-their medians with min..max, and the agreement all-reduce timed alone.
+libraries split by rank). Both streams agree on batch sizes once per ``AGREED_UPDATES``
+updates (within ``stream_read_ahead_mb``). Prints ms per update after the warm-up, the ratios
+to map-style per round, their medians with min..max, and the agreement all-reduce timed alone.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from workloads import WORKLOADS, Workload, build_data, build_model, build_optimi
 
 from fastdist import Callback, DistTrainer, get_rank, get_world_size, is_master, logger  # noqa: E402
 from fastdist.data import ShardedStream  # noqa: E402
-from fastdist.data.stream import AGREED_MICRO_BATCHES  # noqa: E402
+from fastdist.data.stream import AGREED_UPDATES  # noqa: E402
 from fastdist.distributed import all_reduce_sum  # noqa: E402
 
 
@@ -89,10 +89,11 @@ def train(wl: Workload, data: Any, epochs: int) -> float:
     return (timing.t1 - timing.t0) / (trainer.state.global_step - wl.warmup) * 1e3
 
 
-def agreement_us(repeats: int = 2000) -> float:
-    """Microseconds per agreement all-reduce (``world_size x (AGREED_MICRO_BATCHES + 1)``
-    float64)."""
-    vector = torch.zeros(get_world_size() * (AGREED_MICRO_BATCHES + 1), dtype=torch.float64)
+def agreement_us(update_every: int, repeats: int = 2000) -> float:
+    """Microseconds per agreement all-reduce (``world_size x (AGREED_UPDATES x update_every +
+    1)`` float64)."""
+    n = AGREED_UPDATES * update_every + 1
+    vector = torch.zeros(get_world_size() * n, dtype=torch.float64)
     all_reduce_sum(vector)  # warm the connection
     start = time.perf_counter()
     for _ in range(repeats):
@@ -124,7 +125,7 @@ def main() -> None:
             line = ", ".join(f"{name} {ms[name]:.3f}" for name in sources)
             shares = ", ".join(f"{name}/map {values[-1]:.3f}" for name, values in ratios.items())
             print(f"round {round_}: ms/update {line}; {shares}", flush=True)
-    agreement = agreement_us()
+    agreement = agreement_us(wl.update_every)
     if is_master():
         print(
             f"{args.workload} on {get_world_size()} process(es), {epochs} x {per_epoch} updates; "

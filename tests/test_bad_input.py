@@ -244,6 +244,9 @@ ROWS: dict[str, Row] = {
     "slow_rank_threshold_negative": row(
         {"slow_rank_threshold": -0.5}, "ValueError: slow_rank_threshold must be a number >= 0"
     ),
+    "stream_read_ahead_mb_zero": row(
+        {"stream_read_ahead_mb": 0}, "ValueError: stream_read_ahead_mb must be a number > 0"
+    ),
     "timeout_negative": row({"timeout": -1}, "ValueError: timeout must be a number > 0"),
     "timeout_timedelta": row(
         lambda: {"timeout": __import__("datetime").timedelta(minutes=1)},

@@ -23,6 +23,27 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def batch_bytes(batch: Any) -> int:
+    """Bytes of the tensors in a (nested) dict, list or tuple batch."""
+    if isinstance(batch, torch.Tensor):
+        return batch.nbytes
+    if isinstance(batch, dict):
+        return sum(map(batch_bytes, batch.values()))
+    if isinstance(batch, (list, tuple)):
+        return sum(map(batch_bytes, batch))
+    return 0
+
+
+class CountingCollate:
+    """A ``collate_fn`` that also returns how many samples the batch holds."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, samples: list[Any]) -> tuple[int, Any]:
+        return len(samples), self.collate(samples)
+
+
 def make_forward(model: nn.Module, evaluation: bool = False) -> Callable[[nn.Module, Any], Any]:
     """Return ``forward(module, batch)`` that feeds a batch the way ``model`` expects it.
 

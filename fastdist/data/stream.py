@@ -4,15 +4,13 @@ Every reader (each DataLoader worker of each rank, or each rank without workers)
 disjoint part of the stream: item ``i`` goes to reader ``i % readers`` (:class:`StreamShard`),
 unless the dataset already reads only its own part and says so (:class:`ShardedStream`).
 Nobody knows in advance how many batches a rank gets, so the ranks agree on them before
-training on them: every rank reads its next ``AGREED_MICRO_BATCHES`` batches (whole update
-windows of ``update_every``) and one small all-reduce (CPU, on a gloo group of its own) gives
-every rank every rank's batch sizes (:meth:`StreamBatches._agree`). From them each rank
-weighs its micro-batches exactly as for map-style data
-(:func:`~fastdist.data.batches.window_weights`), a rank with fewer batches repeats the last
-batch it read with weight 0 (a filler) to stay in step, and the epoch ends on every rank
-together after the last window in which some rank has a batch. The next agreement starts
-while the current one's last window trains; one all-reduce per ``AGREED_MICRO_BATCHES``
-micro-batches brings streams to map-style speed (docs/benchmarks.rst).
+training on them: every rank reads its next :data:`AGREED_UPDATES` update windows (fewer where
+they exceed ``read_ahead_mb``) and one small all-reduce (CPU, on a gloo group of its own)
+gives every rank every rank's batch sizes (:meth:`StreamBatches._agree`). From them each rank
+weighs its micro-batches as for map-style data (:func:`~fastdist.data.batches.window_weights`),
+a rank with fewer batches repeats its last batch with weight 0 (a filler), and the epoch ends
+on every rank after the last window in which some rank has a batch. The next agreement starts
+while the current one's last window trains (docs/benchmarks.rst).
 
 Resume: a dataset with ``state_dict()``/``load_state_dict()`` (torchdata's ``Stateful``: the
 position of its current iteration; loaded before the next ``iter()``, in the worker that reads)
@@ -35,12 +33,12 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data.dataloader import default_collate
 
 from fastdist.data.batches import window_weights
+from fastdist.data.feed import CountingCollate, batch_bytes
 from fastdist.distributed.collectives import start_all_reduce_sum
 from fastdist.logging import logger
 
-# Micro-batches per rank that one agreement all-reduce covers: its ~0.1-1 ms (2 CPU processes,
-# gloo) is shared by that many, at the cost of holding as many batches read ahead.
-AGREED_MICRO_BATCHES = 16
+#: Updates one agreement all-reduce (~0.1-1 ms on 2 CPU processes) covers at most.
+AGREED_UPDATES = 16
 Window = tuple[list[tuple[int, Any]], "dict[str, Any] | None"]  # (size, batch)s, position after
 
 
@@ -173,29 +171,19 @@ class ShardedStream(EpochCarrier):
         self.dataset.load_state_dict(state)
 
 
-class CountingCollate:
-    """A ``collate_fn`` that also returns how many samples the batch holds."""
-
-    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
-        self.collate = collate
-
-    def __call__(self, samples: list[Any]) -> tuple[int, Any]:
-        return len(samples), self.collate(samples)
-
-
 class StreamBatches:
     """This rank's batches of a stream, an update window at a time (see the module docstring).
 
     The interface of :class:`~fastdist.data.TrainBatches`, with what a stream cannot know in
-    advance left unknown: ``n_updates`` is ``None`` and ``ends_pass`` is never true
-    before the end. ``weights`` grows by one window just before the window's first batch is
-    yielded, so after a window's last batch ``len(weights)`` is the micro-batches so far. The
-    windows of one agreement (``windows_per_agreement``) are read ahead together;
-    :meth:`state_dict` is the loader's position after the window yielded last.
+    advance left unknown: ``n_updates`` is ``None`` and ``ends_pass`` is never true before the
+    end. ``weights`` grows by one window just before its first batch is yielded, so after a
+    window's last batch ``len(weights)`` is the micro-batches so far. The windows of one
+    agreement are read ahead together; :meth:`state_dict` is the loader's position after the
+    window yielded last.
 
     Args:
-        group: a gloo (CPU) group of its own for the agreement on the sizes, so it never waits
-            for a GPU or queues behind the gradient all-reduce.
+        read_ahead_mb: host memory (MiB) the windows read ahead may hold.
+        group: a gloo (CPU) group of its own for the agreement (never behind a GPU or DDP).
         wait: a context manager factory timing the agreement as collective wait.
     """
 
@@ -209,12 +197,14 @@ class StreamBatches:
         rank: int,
         world_size: int,
         update_every: int,
+        read_ahead_mb: float = 256.0,
         group: Any = None,
         wait: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         collate_fn: Callable | None = None,
         **loader_options: Any,
     ) -> None:
         self.rank, self.world_size, self.update_every = rank, world_size, update_every
+        self.read_ahead_mb = read_ahead_mb
         self.group, self.wait = group, wait
         self.source: EpochCarrier
         if isinstance(data, ShardedStream):  # reads its own part: taken as it is
@@ -241,7 +231,6 @@ class StreamBatches:
                 **loader_options,
             )
         self.num_workers = loader_options.get("num_workers", 0)
-        self.windows_per_agreement = max(1, AGREED_MICRO_BATCHES // update_every)
         self.weights: list[float] = []
         self.samples: list[int] = []  # this rank's micro-batch sizes, fillers 0
         self.exhausted = False  # this rank's stream has ended in the current pass
@@ -273,8 +262,9 @@ class StreamBatches:
         return self._windows(iter(()) if self.exhausted else iter(self.loader))
 
     def _windows(self, batches: Iterator[tuple[int, Any]]) -> Iterator[Any]:
-        k, count = self.update_every, self.windows_per_agreement
-        group = self._read(batches, count)
+        k, group = self.update_every, self._read(batches, 1)
+        count = self._size_read_ahead(group)
+        group += self._read(batches, count - 1)
         agreed = self._agree(group)
         while True:
             for j, sizes in enumerate(agreed()):
@@ -307,6 +297,17 @@ class StreamBatches:
                 self.last = own[-1][1]
             windows.append((own, self._loader_state()))
         return windows
+
+    def _size_read_ahead(self, first: list[Window]) -> int:
+        """Windows per agreement within ``read_ahead_mb``, from the largest batch of the pass's
+        first window on any rank (one all-reduce: every rank finds the same)."""
+        sizes = torch.zeros(self.world_size, dtype=torch.float64)
+        sizes[self.rank] = max((batch_bytes(b) for pairs, _ in first for _, b in pairs), default=0)
+        with self.wait():
+            window_mb = max(start_all_reduce_sum(sizes, self.group)().tolist()) / 2**20
+        window_mb *= self.update_every
+        fit = int(self.read_ahead_mb // window_mb) if window_mb else AGREED_UPDATES
+        return min(max(fit, 1), AGREED_UPDATES)
 
     def _agree(self, windows: list[Window]) -> Callable[[], list[list[list[int]]]]:
         """Start the all-reduce that tells every rank every rank's batch sizes of the

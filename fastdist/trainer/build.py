@@ -213,6 +213,7 @@ def _batches(args: Arguments, world: World, timer: RankTimer, stream_group: Any)
             world.data.rank,
             world.data.size,
             options.update_every,
+            options.stream_read_ahead_mb,
             stream_group,
             timer.collective_in_next,
             **loader_options,

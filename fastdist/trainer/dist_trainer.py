@@ -103,6 +103,9 @@ class DistTrainer:
         fp16: fastNLP's switch, the same as ``amp="fp16"``.
         pin_memory: page-locked batches for faster copies to the GPU; default: on CUDA.
         persistent_workers, prefetch_factor: passed to the DataLoader (with ``num_workers``).
+        stream_read_ahead_mb: host memory (MiB per rank) a stream's batches read ahead may
+            hold: the ranks agree on the batch sizes of up to 16 updates at once, fewer where
+            their batches would not fit (see :mod:`fastdist.data.stream`).
         multiprocessing_context: how DataLoader workers start: ``None`` (torch's default, a
             fork on Linux), ``"fork"``, ``"forkserver"`` or ``"spawn"``; before Python 3.11.10
             a forked worker can hang (see :mod:`fastdist.data.workers`).
@@ -186,6 +189,7 @@ class DistTrainer:
         pin_memory: bool | None = None,
         persistent_workers: bool = False,
         prefetch_factor: int | None = None,
+        stream_read_ahead_mb: float = 256.0,
         multiprocessing_context: str | None = None,
         compile: bool = False,
         activation_checkpointing: bool | str = False,

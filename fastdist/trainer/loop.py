@@ -118,13 +118,22 @@ class Loop:
         # With fp16 the gradient scaler handles overflow itself, skipping such steps.
         skip = self.options.on_nonfinite == "skip" and self.precision.scaler is None
         stages = self.world.topology.stage_group  # a pipeline's stages judge together
+        ahead = False
         if skip and not all_finite((p.grad for p in self.model.parameters()), stages):
             self._warn_skipped()
             applied = False
         else:
+            # An update nothing can skip: its log step's all-reduce overlaps the step.
+            step = state.global_step + 1
+            ahead = not skip and self.precision.scaler is None
+            ahead = ahead and step % self.options.print_every == 0
+            if ahead:
+                self.losses.end_window(True)
+                self.run.sync.start(step, state.stop_requested)
             applied = self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
-        self.losses.end_window(applied)
+        if not ahead:
+            self.losses.end_window(applied)
         if not applied:
             state.skipped_steps += 1
             return False

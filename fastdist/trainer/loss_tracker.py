@@ -1,8 +1,10 @@
-"""Bookkeeping of the training loss: one device op per update and no host reads.
+"""Bookkeeping of the training loss: no device op per micro-batch and no host reads.
 
-Micro-batch losses are kept as detached tensors until their update ends; its loss is then
-copied into a preallocated buffer, and the buffer is reduced only at a sync point (log step,
-evaluation, checkpoint, end of training): the only places where the trainer reads values.
+Each micro-batch's loss is kept as a detached tensor, and its weight (its samples) as a host
+number. Only every :data:`CHUNK` micro-batches, or when a sync point (log step, evaluation,
+checkpoint, end of training) reads them, are they weighted and summed per update, in a few
+device ops, into a preallocated buffer; the buffer is reduced only at a sync point: the only
+places where the trainer reads values.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from fastdist.distributed import all_reduce_sum
 #: Updates whose losses the buffer holds; beyond that they are folded into one sum, and a
 #: non-finite loss among them is located to a range of updates.
 BUFFER_SIZE = 1024
+#: Micro-batch losses kept as tensors before they are weighted into the buffer. (Keeping
+#: many small tensors alive pins their allocations and fragments the heap: +20 KiB each.)
+CHUNK = 64
 
 
 class LossTracker:
@@ -34,11 +39,17 @@ class LossTracker:
         self.device = device
         self.counted = False  # the loss returns (sum, count)
         self.window: list[torch.Tensor] = []  # micro-batch losses of the current update
+        self.window_samples: list[int] = []  # their weights: samples (1 for a sum)
         self.window_count: Any = 0  # their counts (an int, or a tensor for (sum, count))
-        # Losses of the applied updates since the last reset. (Keeping the losses themselves
-        # would pin their small allocations and fragment the heap: +20 KiB per update.)
+        # Applied updates' micro-batch losses not yet in the buffer, their weights and the
+        # index of their update among them.
+        self.held: list[torch.Tensor] = []
+        self.held_samples: list[int] = []
+        self.held_update: list[int] = []
+        self.n_held_updates = 0
+        self.one_each = True  # every held update has one micro-batch loss
         self.buffer = torch.zeros(BUFFER_SIZE, dtype=torch.float64, device=device)
-        self.n_buffered = 0
+        self.n_buffered = 0  # updates in the buffer
         self.count: Any = 0
         self.folded: torch.Tensor | None = None  # sum of the first ``n_folded`` of them
         self.n_folded = 0
@@ -55,6 +66,7 @@ class LossTracker:
         self.counted = isinstance(result, tuple)
         if self.counted:
             loss, count = result
+            samples = 1
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(
@@ -62,8 +74,8 @@ class LossTracker:
                 f"count) pair, got {shape}: reduce it inside the loss, e.g. with .mean()"
             )
         if share:
-            # float64 before weighting: a bf16 loss times 3 would round.
-            self.window.append(loss.detach() if self.counted else loss.detach().double() * samples)
+            self.window.append(loss.detach())
+            self.window_samples.append(samples)
             self.window_count = self.window_count + count
         return loss
 
@@ -72,12 +84,8 @@ class LossTracker:
         return float(share > 0) if self.counted else share
 
     def window_loss(self) -> torch.Tensor:
-        """The current update's summed loss, on the device."""
-        if not self.window:  # only fillers on this rank
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        if len(self.window) == 1:
-            return self.window[0]
-        return torch.stack(self.window).sum()
+        """The current update's summed loss, float64 on the device."""
+        return self._weighted(self.window, self.window_samples).sum()
 
     def normalize(
         self, model: nn.Module, loss_ranks: int, group: Any, everywhere: bool = False
@@ -106,17 +114,19 @@ class LossTracker:
     def end_window(self, applied: bool) -> None:
         """Close the update: its loss counts towards the next read only if it was applied."""
         if applied:
-            if self.n_buffered == BUFFER_SIZE:
-                self.folded = self._buffered_sum()
-                self.n_folded += self.n_buffered
-                self.n_buffered = 0
-            self.buffer[self.n_buffered] = self.window_loss()
-            self.n_buffered += 1
+            self.held += self.window
+            self.held_samples += self.window_samples
+            self.held_update += [self.n_held_updates] * len(self.window)
+            self.n_held_updates += 1
+            self.one_each = self.one_each and len(self.window) == 1
             self.count = self.count + self.window_count
-        self.window, self.window_count = [], 0
+            if len(self.held) >= CHUNK:
+                self._store()
+        self.window, self.window_samples, self.window_count = [], [], 0
 
     def pending(self) -> torch.Tensor:
         """``[loss sum, count]`` of the updates since the last reset, float64 on the device."""
+        self._store()
         loss = self._buffered_sum()
         count = torch.as_tensor(self.count, dtype=torch.float64, device=self.device)
         return torch.stack([loss, count.reshape(())])
@@ -125,6 +135,7 @@ class LossTracker:
         """The step of the first pending update with a NaN/Inf loss on this rank, and words for
         it (a range if it was folded); ``None`` if all were finite. Reads the device.
         """
+        self._store()
         first = self.since_step + 1
         if self.folded is not None and not torch.isfinite(self.folded):
             return first, f"one of updates {first}-{first + self.n_folded - 1}"
@@ -136,9 +147,49 @@ class LossTracker:
 
     def reset(self, step: int) -> None:
         """Forget the pending updates (they were read at optimizer step ``step``)."""
+        self._drop_held()
         self.n_buffered, self.count = 0, 0
         self.folded, self.n_folded = None, 0
         self.since_step = step
+
+    def _weighted(self, losses: list[torch.Tensor], samples: list[int]) -> torch.Tensor:
+        """``losses`` times their weights, float64 (before weighting: a bf16 loss times 3
+        would round)."""
+        if not losses:  # only fillers on this rank
+            return torch.zeros(1, dtype=torch.float64, device=self.device)
+        values = torch.stack(losses).to(torch.float64)
+        if any(s != 1 for s in samples):
+            values *= torch.tensor(samples, dtype=torch.float64, device=self.device)
+        return values
+
+    def _store(self) -> None:
+        """Weigh the held losses and add each update's sum to the buffer, folding the buffer
+        into one sum whenever it is full."""
+        n = self.n_held_updates
+        if not n:
+            return
+        if self.one_each:
+            sums = self._weighted(self.held, self.held_samples)
+        else:  # several (or, with fillers, no) micro-batches per update
+            sums = torch.zeros(n, dtype=torch.float64, device=self.device)
+            if self.held:
+                index = torch.tensor(self.held_update, device=self.device)
+                sums.index_add_(0, index, self._weighted(self.held, self.held_samples))
+        self._drop_held()
+        start = 0
+        while start < n:
+            if self.n_buffered == BUFFER_SIZE:
+                self.folded = self._buffered_sum()
+                self.n_folded += self.n_buffered
+                self.n_buffered = 0
+            take = min(n - start, BUFFER_SIZE - self.n_buffered)
+            self.buffer[self.n_buffered : self.n_buffered + take] = sums[start : start + take]
+            self.n_buffered += take
+            start += take
+
+    def _drop_held(self) -> None:
+        self.held, self.held_samples, self.held_update = [], [], []
+        self.n_held_updates, self.one_each = 0, True
 
     def _buffered_sum(self) -> torch.Tensor:
         total = self.buffer[: self.n_buffered].sum()

@@ -45,6 +45,7 @@ class TrainerOptions:
     pin_memory: bool | None
     persistent_workers: bool
     prefetch_factor: int | None
+    stream_read_ahead_mb: float
     multiprocessing_context: str | None
     seed: int
     metric_key: str | None
@@ -112,6 +113,7 @@ class TrainerOptions:
         if self.timeout is not None:
             check_number("timeout", self.timeout, 0, inclusive=False)
         check_number("slow_rank_threshold", self.slow_rank_threshold, 0)
+        check_number("stream_read_ahead_mb", self.stream_read_ahead_mb, 0, inclusive=False)
         check_choice("amp", self.amp, (None, "bf16", "fp16"))
         check_choice("multiprocessing_context", self.multiprocessing_context, CONTEXTS)
         check_choice("on_nonfinite", self.on_nonfinite, ("raise", "skip"))

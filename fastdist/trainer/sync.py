@@ -15,6 +15,7 @@ back, and nothing agreed here is ever checkpointed.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from fastdist.distributed import all_reduce_sum
+from fastdist.distributed.collectives import start_all_reduce_sum
 from fastdist.distributed.position import PositionBoard
 from fastdist.trainer.loss_tracker import LossTracker
 from fastdist.trainer.preemption import SigtermFlag
@@ -86,24 +88,23 @@ class Sync:
         self.raise_nonfinite = raise_nonfinite
         self.sigterm, self.board = sigterm, board
         self.device, self.group = device, group
+        self._started: Callable[[], torch.Tensor] | None = None  # the log step's, begun
 
     def agree(
         self, step: int, stop_requested: bool, read_loss: bool, check_model: bool
     ) -> Agreement:
-        """One all-reduce at update ``step``. Raises ``FloatingPointError`` on every rank if
-        some rank's loss since the last read was NaN/Inf (``raise_nonfinite``) or, with
-        ``check_model``, some rank's parameters are. With ``read_loss`` the pending losses
-        are read (and forgotten)."""
-        self.board.publish(step=step, phase="sync")
-        params = self.model.parameters()
-        bad_model = check_model and not all_finite(p.detach() for p in params)
-        flags = self._flags(step, stop_requested) + [float(bad_model)]
-        numbers = torch.tensor(
-            flags + self.timer.payload(), dtype=torch.float64, device=self.device
-        )
-        stats = torch.cat([self.losses.pending(), numbers])
+        """One all-reduce at update ``step`` (the one :meth:`start` began, if any). Raises
+        ``FloatingPointError`` on every rank if some rank's loss since the last read was
+        NaN/Inf (``raise_nonfinite``) or, with ``check_model``, some rank's parameters are.
+        With ``read_loss`` the pending losses are read (and forgotten)."""
+        started, self._started = self._started, None
+        bad_model = False
+        if started is None:
+            params = self.model.parameters()
+            bad_model = check_model and not all_finite(p.detach() for p in params)
+            started = self._start(step, stop_requested, bad_model)
         with self.timer.collective_wait():
-            reduced = all_reduce_sum(stats, self.group).tolist()
+            reduced = started().tolist()
         loss_sum, count, stop, preempted, requeue, next_check, bad_models = reduced[:7]
         self.sigterm.checks.agreed(next_check)
         self.board.move(phase="train")
@@ -120,6 +121,22 @@ class Sync:
             loss=loss,
             rank_times=self.timer.received(reduced[7:]),
         )
+
+    def start(self, step: int, stop_requested: bool) -> None:
+        """Start the all-reduce of the log step at update ``step`` before the update's optimizer
+        step, which it overlaps; :meth:`agree` at that step, next, waits for it."""
+        self._started = self._start(step, stop_requested, bad_model=False)
+
+    def _start(
+        self, step: int, stop_requested: bool, bad_model: bool
+    ) -> Callable[[], torch.Tensor]:
+        self.board.publish(step=step, phase="sync")
+        flags = self._flags(step, stop_requested) + [float(bad_model)]
+        numbers = torch.tensor(
+            flags + self.timer.payload(), dtype=torch.float64, device=self.device
+        )
+        stats = torch.cat([self.losses.pending(), numbers])
+        return start_all_reduce_sum(stats, self.group)
 
     def check_due(self, step: int) -> bool:
         """Whether the ranks check for signals after update ``step`` (see :meth:`check`)."""

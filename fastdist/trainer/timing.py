@@ -86,15 +86,19 @@ class RankTimer:
     """This rank's data/compute/collective seconds since the last read (see module docstring).
 
     The loop wraps its batches in :meth:`batches`, calls :meth:`backward_done` after each
-    backward and runs its collectives in :meth:`collective`; evaluation and checkpoints run in
-    :meth:`paused`. Every interval between two marks is compute unless said otherwise.
+    update's last backward and runs its collectives in :meth:`collective_wait`; evaluation
+    and checkpoints run in :meth:`paused`. Per micro-batch only the data wait is added up;
+    compute is what is left of the interval's time, found when it is read.
     """
 
     def __init__(self, device: torch.device, rank: int, world_size: int) -> None:
         self.device, self.rank, self.world_size = device, rank, world_size
-        self.data = self.compute = self.collective = 0.0
-        self.updates = 0  # update micro-batches since the last read
-        self._mark = time.perf_counter()  # end of the last measured interval
+        self.data = self.collective = self.left_out = 0.0
+        self.updates = 0  # updates since the last read
+        self._since: float | None = None  # start of the interval (None: no pass yet)
+        self._pass_end: float | None = None  # end of the last pass, while none runs
+        self._in_gap = 0.0  # time counted since then (collective waits, pauses)
+        self._drawn = 0.0  # when the latest micro-batch was drawn
         self._grads_ready = 0.0  # when this rank's last gradient was accumulated
         self._last_grad: torch.Tensor | None = None  # the parameter stamped last
         self._hooks: dict[int, Any] = {}  # id(parameter) -> hook handle
@@ -131,43 +135,47 @@ class RankTimer:
             self._hooks.pop(key).remove()
 
     def batches(self, batches: Iterable[Any], device: torch.device) -> Iterator[Any]:
-        """Yield ``batches`` moved to ``device``, timing ``next()`` and the copy as data wait."""
-        iterator = iter(batches)
-        self._mark = time.perf_counter()  # what ran between epochs (evaluation...) is not counted
+        """Yield ``batches`` moved to ``device``, timing ``next()`` and the copy as data wait;
+        what runs between two passes (evaluation, epoch ends...) and is not a collective wait
+        is left out."""
+        iterator, clock = iter(batches), time.perf_counter
+        now = clock()
+        self.left_out += self._gap(now)
+        if self._since is None:
+            self._since = now
+        self._pass_end = None
         while True:
-            start, waited = time.perf_counter(), self.collective
-            self.compute += start - self._mark  # the previous micro-batch's step and callbacks
+            start = clock()
             try:
                 batch = to_device(next(iterator), device)
             except StopIteration:
+                self._pass_end, self._in_gap = clock(), 0.0
                 return
-            finally:  # less the time next() spent in :meth:`collective_in_next`
-                self._mark = time.perf_counter()
-                self.data += self._mark - start - (self.collective - waited)
+            self._drawn = clock()
+            self.data += self._drawn - start
             yield batch
 
-    def backward_done(self, is_update: bool) -> None:
-        """After backward: split off the wait for the gradient all-reduce of an update."""
+    def _gap(self, now: float) -> float:
+        """The time since the last pass ended that nothing counted (0 while a pass runs)."""
+        return 0.0 if self._pass_end is None else now - self._pass_end - self._in_gap
+
+    def backward_done(self) -> None:
+        """After an update's last backward: split off the wait for the gradient all-reduce."""
         now = time.perf_counter()
         if len(self._hooks) > 1 and self._last_grad is not None:
             self._keep_last_hook()
-        ready = self._grads_ready
-        if is_update:
-            self.updates += 1
-            if ready > self._mark:  # this backward's gradients were stamped (DDP runs)
-                self.compute += ready - self._mark
-                self.collective += now - ready
-                self._mark = now
-                return
-        self.compute += now - self._mark
-        self._mark = now
+        self.updates += 1
+        if self._grads_ready > self._drawn:  # this backward's gradients were stamped (DDP)
+            self.collective += now - self._grads_ready
 
     @contextlib.contextmanager
     def collective_wait(self) -> Iterator[None]:
         """Count the time inside as waiting in a collective."""
-        with self._segment() as span:
+        start = time.perf_counter()
+        try:
             yield
-        self.collective += span[0]
+        finally:
+            self.collective += self._counted(start)
 
     @contextlib.contextmanager
     def collective_in_next(self) -> Iterator[None]:
@@ -177,24 +185,25 @@ class RankTimer:
         try:
             yield
         finally:
-            self.collective += time.perf_counter() - start
+            span = time.perf_counter() - start
+            self.collective += span
+            self.data -= span
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Leave the time inside out (evaluation, checkpoint writing)."""
-        with self._segment():
-            yield
-
-    @contextlib.contextmanager
-    def _segment(self) -> Iterator[list[float]]:
         start = time.perf_counter()
-        self.compute += start - self._mark
-        span = [0.0]
         try:
-            yield span
+            yield
         finally:
-            self._mark = time.perf_counter()
-            span[0] = self._mark - start
+            self.left_out += self._counted(start)
+
+    def _counted(self, start: float) -> float:
+        """Seconds since ``start``, noted as counted if they fall between two passes."""
+        span = time.perf_counter() - start
+        if self._pass_end is not None:
+            self._in_gap += span
+        return span
 
     def payload(self) -> list[float]:
         """This rank's slot of the per-rank vector (zeros elsewhere); resets the interval.
@@ -203,17 +212,22 @@ class RankTimer:
         the device is synchronised first, and that wait counted as collective.
         """
         values = [0.0] * (FIELDS * self.world_size)
-        if not self.updates:
+        if not self.updates or self._since is None:
             return values
         if self.device.type == "cuda":
             with self.collective_wait():
                 torch.cuda.synchronize(self.device)
-        n = self.updates
+        now, n = time.perf_counter(), self.updates
+        self.left_out += self._gap(now)
+        compute = now - self._since - self.left_out - self.data - self.collective
         slot = FIELDS * self.rank
-        values[slot : slot + FIELDS] = [self.data / n, self.compute / n, self.collective / n]
+        values[slot : slot + FIELDS] = [self.data / n, max(compute, 0.0) / n, self.collective / n]
         self._sent_updates = n
-        self.data = self.compute = self.collective = 0.0
+        self.data = self.collective = self.left_out = 0.0
         self.updates = 0
+        self._since = now
+        if self._pass_end is not None:  # the gap goes on, from now
+            self._pass_end, self._in_gap = now, 0.0
         return values
 
     def received(self, values: list[float]) -> tuple[list[RankTime], int] | None:

@@ -109,7 +109,7 @@ class Update:
             self.losses.normalize(
                 self.model, topology.loss_ranks, self.world.group, topology.sizes["pp"] > 1
             )
-        self.timer.backward_done(state.is_update)  # splits off the all-reduce wait
+            self.timer.backward_done()  # splits off the all-reduce wait
         self.callbacks.on_backward_end()
         if not state.is_update:
             self.callbacks.on_batch_end()

@@ -12,16 +12,22 @@ all-reduces. Case ``profile``: ``ProfilerCallback`` in ``callbacks_all`` writes 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import default_collate
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_collate
 from trainer_worker import BATCH, CommCounter, make_trainer, warnings_logged
 from workers.ending import exit_now
 
+from fastdist import DistTrainer
 from fastdist.callbacks import ProfilerCallback
 from fastdist.distributed import get_rank, get_world_size
 
@@ -87,9 +93,86 @@ def case_profile(out: Path) -> dict[str, Any]:
     return {"trace": profiler.trace_path, "open": profiler.profiler is not None}
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched inside it, and the host reads among them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.reads = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        self.reads += func is torch.ops.aten._local_scalar_dense.default  # .item(), bool()
+        return func(*args, **(kwargs or {}))
+
+
+def _count_ops(prepare: Callable[[int], Callable[[], None]], updates: int) -> tuple[int, int]:
+    """Aten ops and host reads of training ``updates`` updates (the set-up not counted)."""
+    train, counter = prepare(updates), OpCounter()
+    with counter:
+        train()
+    return counter.ops, counter.reads
+
+
+def case_ops() -> dict[str, Any]:
+    """Aten ops and host reads of 4 and 12 updates of 4 micro-batches (the difference leaves
+    the start and the end out), by DistTrainer and by a hand-written loop on the same model
+    and data."""
+    k, batch, world = 4, 4, get_world_size()
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(12 * k * batch * world, 8, generator=gen),
+        torch.zeros(12 * k * batch * world, dtype=torch.long),
+    )
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Linear(8, 2)
+
+    def fastdist_loop(updates: int) -> Callable[[], None]:
+        net = model()
+        trainer = DistTrainer(
+            torch.utils.data.Subset(data, range(updates * k * batch * world)),
+            net,
+            torch.optim.SGD(net.parameters(), lr=0.1),
+            loss=torch.nn.CrossEntropyLoss(),
+            batch_size_per_gpu=batch,
+            update_every=k,
+            print_every=10**6,
+            use_tqdm=False,
+            device="cpu",
+            load_best_model=False,
+        )
+        return lambda: trainer.train() and None
+
+    def hand_loop(updates: int) -> Callable[[], None]:
+        net = model()
+        ddp = DistributedDataParallel(net) if world > 1 else net
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        subset = torch.utils.data.Subset(data, range(updates * k * batch * world))
+        sampler = DistributedSampler(subset, shuffle=False) if world > 1 else None
+        loss_fn = torch.nn.CrossEntropyLoss()
+
+        def train() -> None:
+            for i, (x, y) in enumerate(DataLoader(subset, batch, sampler=sampler)):
+                last = (i + 1) % k == 0
+                with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():
+                    (loss_fn(ddp(x), y) / k).backward()
+                if last:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+        return train
+
+    counts = {}
+    for name, loop in (("fastdist", fastdist_loop), ("hand", hand_loop)):
+        counts[name] = [_count_ops(loop, n) for n in (4, 12)]
+    return {"counts": counts, "micro_batches": 8 * k}
+
+
 def main() -> None:
     out = Path(sys.argv[1])
-    results = {"slow": case_slow(out), "profile": case_profile(out)}
+    results = {"slow": case_slow(out), "profile": case_profile(out), "ops": case_ops()}
     if get_world_size() > 1:
         results.update(fsdp=case_fsdp(out), healthy=case_healthy())
     (out / f"rank{get_rank()}.json").write_text(json.dumps(results))
