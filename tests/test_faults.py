@@ -265,3 +265,29 @@ def test_a_report_names_the_ranks_that_did_not_fail_too(monkeypatch: pytest.Monk
     start = time.monotonic()
     assert boards[0].silent_ranks(0.5) == [1]
     assert 0.5 <= time.monotonic() - start < 3
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_the_master_callback_guard_refuses_only_its_own_threads_collectives() -> None:
+    """While rank 0 runs a callbacks_master hook, a collective of that thread is refused, and
+    one of another thread (the background checkpoint writer's, on its own group) goes through:
+    the guard refused the writer's all_gather_object when a log step and a write overlapped."""
+    import threading
+
+    import torch
+
+    from fastdist.distributed.guard import CollectiveInMasterCallbackError, no_collectives
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timedelta(seconds=10), False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        got: list[object] = []
+        other = threading.Thread(target=lambda: got.append(dist.all_reduce(torch.ones(1))))
+        with no_collectives("callback Printer"):
+            with pytest.raises(CollectiveInMasterCallbackError, match="callback Printer called"):
+                dist.all_reduce(torch.ones(1))
+            other.start()
+            other.join(10)
+        assert got == [None], "the other thread's all_reduce did not go through"
+    finally:
+        dist.destroy_process_group()

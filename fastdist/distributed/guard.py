@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -74,10 +75,15 @@ def _entry_point(gate: str) -> str:
     return name
 
 
-def _refuser(gate: str) -> Any:
-    """What stands in for the gate ``gate`` while a guarded block runs."""
+def _refuser(owner: Any, gate: str) -> Any:
+    """What stands in for the gate ``gate`` while a guarded block runs: it refuses on the
+    thread that runs the block; other threads (a background checkpoint writer, on a group of
+    its own) call the gate itself."""
+    original = vars(owner)[gate]
 
-    def refused(*args: Any, **kwargs: Any) -> None:
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        if not _thread or threading.get_ident() != _thread[-1]:
+            return original(*args, **kwargs)
         called = f"{_where[-1]} called torch.distributed.{_entry_point(gate)}() on rank 0 only"
         if _where[-1].startswith(BACKEND):
             raise CollectiveInMasterCallbackError(
@@ -94,13 +100,15 @@ def _refuser(gate: str) -> Any:
     return refused
 
 
-_REFUSERS = {(owner, name): _refuser(name) for owner, name in _GATES}
+_REFUSERS = {(owner, name): _refuser(owner, name) for owner, name in _GATES}
 _where: list[str] = []  # the guarded blocks running, innermost last
+_thread: list[int] = []  # the thread running each
 
 
 @contextlib.contextmanager
 def no_collectives(where: str) -> Iterator[None]:
-    """Make every ``torch.distributed`` collective raise while the block runs.
+    """Make every ``torch.distributed`` collective that this thread calls raise while the
+    block runs (other threads' collectives go through).
 
     Used around ``callbacks_master`` hooks: a collective there runs on rank 0 only and would
     wait forever for ranks that are not running the callback. The gates are restored when the
@@ -108,6 +116,7 @@ def no_collectives(where: str) -> Iterator[None]:
     """
     originals = [(owner, name, vars(owner)[name]) for owner, name in _GATES]
     _where.append(where)
+    _thread.append(threading.get_ident())
     for owner, name, _ in originals:
         setattr(owner, name, _REFUSERS[owner, name])
     try:
@@ -116,3 +125,4 @@ def no_collectives(where: str) -> Iterator[None]:
         for owner, name, original in originals:
             setattr(owner, name, original)
         _where.pop()
+        _thread.pop()
