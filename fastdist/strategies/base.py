@@ -228,6 +228,10 @@ class Strategy:
         with torch.no_grad():
             broadcast_tensors(self.model.buffers(), group=self.group)
 
+    def end_training(self) -> None:
+        """After the last update, before ``on_train_end``: leave the model as the user reads it
+        after ``train()`` (a pipeline's stages gathered onto every rank)."""
+
     def after_evaluation(self) -> None:
         """Put the model back as training left it, once evaluation or prediction ended."""
 

@@ -351,6 +351,10 @@ class Pipeline(Strategy):
                 src = ranks[self.plan.owner(name) % self.stages]
                 dist.broadcast(value, src=src, group=group)
 
+    def end_training(self) -> None:
+        """The whole model on every rank when ``train()`` returns, as under DDP."""
+        self.gather()
+
     def before_evaluation(self) -> None:
         """The whole model on every rank (every stage's parameters), rank 0's buffers."""
         self.gather()

@@ -81,6 +81,7 @@ class Loop:
             if agreed.stop:
                 break
         if not agreed.preempted:
+            self.strategy.end_training()  # e.g. a pipeline's stages gathered
             callbacks.on_train_end()
         return agreed
 

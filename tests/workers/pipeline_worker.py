@@ -181,6 +181,26 @@ def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw:
     return result
 
 
+def left_by_train(strategy: Any) -> list[float]:
+    """The model as ``train()`` leaves it on this rank, with no evaluation or checkpoint after
+    the last update (those gather a pipeline's stages themselves)."""
+    model = Tagger()
+    DistTrainer(
+        Sequences(N_TRAIN, squash=True),
+        model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=0.02),
+        loss=token_loss,
+        batch_size_per_gpu=4,
+        update_every=4,
+        n_epochs=1,
+        use_tqdm=False,
+        device="cpu",
+        strategy=strategy,
+        timeout=60,
+    ).train()
+    return flat(model)
+
+
 def loaded_on_rank_zero() -> Tagger:
     """A Tagger whose weights rank 0 alone holds (a script loading pretrained weights on rank 0
     only, as DDP allows): the other ranks' are noise until the trainer starts them alike."""
@@ -199,7 +219,9 @@ def main(argv: list[str]) -> int:
     if mode == "one":
         result["plain"] = train("ddp", out / "plain")
         result["uneven"] = train("ddp", out / "uneven", n_train=UNEVEN)
+        result["left"] = left_by_train("ddp")
     elif mode == "pp2":
+        result["left"] = left_by_train(Pipeline(stages=2))
         result["gpipe"] = train(Pipeline(stages=2, schedule="gpipe"), out / "gpipe")
         # 2 stages per rank (one block each), interleaved; the epoch's last update LoopedBFS.
         interleaved = Pipeline(stages=2, schedule="interleaved-1f1b")
