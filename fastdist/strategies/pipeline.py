@@ -26,7 +26,6 @@ from fastdist.checks import check_choice, check_int
 from fastdist.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
 from fastdist.distributed.dtensor import is_dtensor, is_fsdp_module
 from fastdist.strategies.base import MemoryShare, Strategy, Update
-from fastdist.strategies.blocks import checkpoint_blocks
 from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP, switch_parameters
 from fastdist.strategies.pipeline_checks import (
@@ -187,11 +186,15 @@ class Pipeline(Strategy):
         shard (FSDP: each module of the stage on its own, in the model) it."""
         if compile:
             raise ValueError("compile=True under Pipeline is not supported yet: drop compile")
+        if checkpointing:
+            raise ValueError(
+                "activation_checkpointing under Pipeline is not supported yet (the stages are "
+                "cut from the blocks it would wrap): drop activation_checkpointing"
+            )
         self.attach(model, optimizer, device, group, topology)
         with torch.no_grad():  # as DDP does: every stage starts from rank 0's weights
             for tensor in itertools.chain(model.parameters(), model.buffers()):
                 dist.broadcast(tensor, src=0, group=group)
-        checkpoint_blocks(model, self.blocks(model), checkpointing)
         self.plan = plan_stages(model, self.cuts, self.split)
         self.index = self.topology.coordinate("pp")
         self.local = [self.index + k * self.stages for k in range(self.per_rank)]
