@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from launch import Result, free_port, run_torchrun
+from launch import Launch, Result, free_port, run_together, run_torchrun
 
 from fastdist.cli import main as cli_main
 from fastdist.distributed import position
@@ -291,3 +291,17 @@ def test_the_master_callback_guard_refuses_only_its_own_threads_collectives() ->
         assert got == [None], "the other thread's all_reduce did not go through"
     finally:
         dist.destroy_process_group()
+
+
+def test_a_rank_that_outlives_the_store_host_exits_cleanly() -> None:
+    """Plain processes, rank 0 hosting the store ends first: rank 1's hang watcher, waiting in
+    the store's C++ code, is stopped at exit (it aborted the process with 'terminate called',
+    exit 134, about one run in three)."""
+    port = str(free_port())
+    worker = str(Path(__file__).resolve().parent / "workers" / "linger_worker.py")
+    launches = [Launch([sys.executable, "-u", worker, str(r), port]) for r in (0, 1)]
+    results = run_together(launches, timeout=120)
+    for result in results:
+        assert result.returncode == 0, result.describe()
+        assert "terminate called" not in result.output, result.describe()
+    assert "watcher running: False" in results[1].output, results[1].describe()

@@ -15,14 +15,13 @@ import gc
 import os
 import socket
 import sys
-import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from fastdist.distributed.bounded import STORE_WAIT_S, within
 from fastdist.distributed.hang import enable_flight_recorder
 from fastdist.distributed.ray_train import ray_train_context, torchrun_env_from_ray
 from fastdist.distributed.slurm import apply_slurm_env
@@ -298,35 +297,6 @@ def _exchange(store: Any, rank: int, world_size: int, key: str, value: str) -> l
     """Every rank's ``value``, through the rendezvous store (before a process group exists)."""
     store.set(f"{key}/{rank}", value)
     return [store.get(f"{key}/{r}").decode() for r in range(world_size)]
-
-
-T = TypeVar("T")
-#: Seconds a failing or exiting rank waits for the rendezvous store: its host may be cut off
-#: from this rank (a network cut), where a store call would wait forever (TCPStore's
-#: ``check`` and ``add`` wait for the reply without a bound, whatever ``set_timeout`` says).
-STORE_WAIT_S = 5.0
-
-
-def within(seconds: float, call: Callable[[], T]) -> T:
-    """``call()``, or ``TimeoutError`` after ``seconds`` (the call is left running in a daemon
-    thread). For store calls on a failure path, where the store's host may not answer."""
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(call())
-        except BaseException as exc:
-            error.append(exc)
-
-    thread = threading.Thread(target=target, name="fastdist-store-call", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if error:
-        raise error[0]
-    if not result:
-        raise TimeoutError(f"the rendezvous store did not answer within {seconds:g} s")
-    return result[0]
 
 
 #: The store key each rank sets when its script ends, and the count of those ranks (read by

@@ -18,6 +18,8 @@ Each file is replaced at each request, so a job's dumps stay a few hundred KiB p
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import faulthandler
 import json
@@ -33,6 +35,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from fastdist.distributed.bounded import within
+
 #: Flight recorder entries each rank keeps (``TORCH_FR_BUFFER_SIZE``, unless set already).
 FR_ENTRIES = 200
 #: How long the failing rank waits for the others' records.
@@ -42,7 +46,10 @@ KNOWN_WAIT_S = 0.5
 #: The directory for the dumps when ``save_path`` does not give one (the tool's variable).
 DIR_VAR = "FASTDIST_HANG_DIR"
 
-_COUNT, _REQUEST, _ANSWER = "fastdist/hang/count", "fastdist/hang/request/{}", "fastdist/hang/{}/{}"
+_COUNT, _ANSWER = "fastdist/hang/count", "fastdist/hang/{}/{}"
+_REQUEST = "fastdist/hang/request/{}/{}"  # a request's number and the rank asked: "" or "stop"
+#: How long the exit waits for the watcher to stop.
+STOP_WAIT_S = 2.0
 _LIBRARY = tuple(
     str(Path(p).resolve()) + os.sep
     for p in (
@@ -59,20 +66,25 @@ class _Watch:
         self.store, self.rank, self.directory, self.position = store, rank, directory, position
         self.failure: dict[str, Any] | None = None  # this rank's record of its own failure
         self.written = False  # the first dump of this process stays: it shows the hang
+        self.number = 1  # the request it waits for
+        self.thread: threading.Thread | None = None
 
     def run(self) -> None:
-        client, number = self.store.clone(), 1
+        client = self.store.clone()
         while True:
+            key = _REQUEST.format(self.number, self.rank)
             try:  # a day's wait: each timeout prints torch's socket warnings
-                client.wait([_REQUEST.format(number)], datetime.timedelta(days=1))
-                self.answer(client, number, self.failure or self.record(_main_stack()))
+                client.wait([key], datetime.timedelta(days=1))
+                if client.get(key) == b"stop":
+                    return  # this process is exiting (see stop())
+                self.answer(client, self.number, self.failure or self.record(_main_stack()))
             except dist.DistStoreError as exc:
                 if "timeout" not in str(exc):
                     return  # the store is gone: the job is over
                 continue  # no request today
             except Exception:  # the store went while answering
                 return
-            number += 1
+            self.number += 1
 
     def record(self, stack: traceback.StackSummary, error: str | None = None) -> dict[str, Any]:
         """This rank's record: its stack (outermost frame first), collectives, position."""
@@ -125,7 +137,21 @@ def watch(rank: int, directory: str | None, position: Any) -> None:
         return
     store = dist.distributed_c10d._get_default_store()
     _watch = _Watch(store, rank, directory, position)
-    threading.Thread(target=_watch.run, name="fastdist-hang-watch", daemon=True).start()
+    _watch.thread = threading.Thread(target=_watch.run, name="fastdist-hang-watch", daemon=True)
+    _watch.thread.start()
+    atexit.register(stop)
+
+
+def stop() -> None:
+    """Stop the watcher (at exit): a thread still waiting inside the store's C++ code when
+    the interpreter ends aborts the process ("terminate called", exit 134)."""
+    watch = _watch
+    if watch is None or watch.thread is None:
+        return
+    key = _REQUEST.format(watch.number, watch.rank)
+    with contextlib.suppress(Exception):  # the store's host may be gone: the wait ended too
+        within(STOP_WAIT_S, lambda: watch.store.set(key, "stop"))
+    watch.thread.join(STOP_WAIT_S)
 
 
 def dump_dir_in_use() -> str | None:
@@ -155,7 +181,8 @@ def collect(world_size: int) -> dict[int, dict[str, Any]]:
         return {}
     store = _watch.store
     number = store.add(_COUNT, 1)
-    store.set(_REQUEST.format(number), "")
+    for rank in range(world_size):
+        store.set(_REQUEST.format(number, rank), "")
     earlier = {r: _earlier_answer(store, number, r) for r in range(world_size)}
     records: dict[int, dict[str, Any]] = {}
     start = time.monotonic()

@@ -20,14 +20,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from fastdist.distributed.env import (
-    EXITED_COUNT,
-    EXITING,
-    STORE_WAIT_S,
-    get_rank,
-    get_world_size,
-    within,
-)
+from fastdist.distributed.bounded import STORE_WAIT_S, within
+from fastdist.distributed.env import EXITED_COUNT, EXITING, get_rank, get_world_size
 
 _KEY = "fastdist/position/{}"
 _ENTERED = "fastdist/entered/{}/{}"  # a call's name and its number on each rank; one count

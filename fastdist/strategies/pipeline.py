@@ -31,6 +31,7 @@ from fastdist.strategies.fsdp import FSDP, switch_parameters
 from fastdist.strategies.pipeline_checks import (
     LOOPED,
     check_one_shape,
+    check_setup_options,
     check_stage_strategy,
     schedule_class,
     stage_shares,
@@ -184,13 +185,7 @@ class Pipeline(Strategy):
     ) -> torch.optim.Optimizer:
         """Cut this rank's stage, point the optimizer at its parameters, replicate (DDP) or
         shard (FSDP: each module of the stage on its own, in the model) it."""
-        if compile:
-            raise ValueError("compile=True under Pipeline is not supported yet: drop compile")
-        if checkpointing:
-            raise ValueError(
-                "activation_checkpointing under Pipeline is not supported yet (the stages are "
-                "cut from the blocks it would wrap): drop activation_checkpointing"
-            )
+        check_setup_options(compile, checkpointing)
         self.attach(model, optimizer, device, group, topology)
         with torch.no_grad():  # as DDP does: every stage starts from rank 0's weights
             for tensor in itertools.chain(model.parameters(), model.buffers()):

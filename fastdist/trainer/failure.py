@@ -8,7 +8,8 @@ import types
 import torch.distributed as dist
 
 from fastdist.distributed import hang
-from fastdist.distributed.env import STORE_WAIT_S, note_failure, within
+from fastdist.distributed.bounded import STORE_WAIT_S, within
+from fastdist.distributed.env import note_failure
 from fastdist.distributed.hang_report import describe
 from fastdist.distributed.position import PositionBoard
 from fastdist.logging import logger
@@ -30,7 +31,7 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
     A rank whose own code raised logs the error with its traceback; a rank whose collective
     failed (a peer died, or the timeout expired) logs the collective error and the positions,
     which usually name the rank that is elsewhere; then the ranks that did not say within
-    :data:`~fastdist.distributed.env.STORE_WAIT_S` that they failed too (dead, stuck or cut
+    :data:`~fastdist.distributed.bounded.STORE_WAIT_S` that they failed too (dead, stuck or cut
     off: where all were in the same collective, only this names them); then the hang report:
     each rank's collective and Python line (:mod:`fastdist.distributed.hang`). Every wait on
     the store is bounded: its host may be cut off from this rank.
