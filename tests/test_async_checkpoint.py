@@ -112,10 +112,13 @@ def manifest(checkpoints: Path) -> list[dict[str, Any]]:
 def test_an_async_checkpoint_equals_the_sync_one(runs: Path, config: str) -> None:
     """Training went on during the slowed write (the state was copied first); every kept
     checkpoint loads to the synchronous run's, tensor for tensor; the files get the same mode
-    (the user's umask); the runs end with the same parameters."""
+    (the user's umask); the runs end with the same parameters; ``on_train_end`` comes after the
+    last write."""
     for rank in range(2):
         sync, background = (outcome(runs, f"{config}-{how}", rank) for how in ("sync", "async"))
         assert background["final"] == sync["final"], f"rank {rank}: the training differs"
+        # on_train_end sees the last checkpoint on disk (check-resume ends the process there).
+        assert background["newest_at_end"] == sync["newest_at_end"] == sync["steps"]
     # Rank 0's torch.save of update S's state began at update `start`, ended after `end`: the
     # next checkpoint (S + 2) waited for it.
     start, end = outcome(runs, f"{config}-async", 0)["slowed"]

@@ -82,6 +82,7 @@ class Loop:
                 break
         if not agreed.preempted:
             self.strategy.end_training()  # e.g. a pipeline's stages gathered
+            run.checkpointer.wait()  # the last checkpoint on disk, if written in the background
             callbacks.on_train_end()
         return agreed
 
@@ -249,7 +250,6 @@ class Loop:
                 agreed = self.train_epochs()
                 if agreed.preempted:  # still watching: a second signal must not stop the write
                     self._save_preempted(agreed)
-                self.run.checkpointer.wait()  # the last one, if written in the background
             self._end()
         except Exception as exc:
             report_failure(exc, self.where(), options.timeout)

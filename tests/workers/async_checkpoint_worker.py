@@ -43,7 +43,7 @@ from workers.resume_worker import Faults, IdLog, build_trainer, flat_params, wri
 
 import fastdist.checkpoint.checkpointer as checkpointer_module
 import fastdist.checkpoint.files as files_module
-from fastdist import get_rank
+from fastdist import Callback, get_rank
 from fastdist.checkpoint.files import atomic_file, atomic_save
 from fastdist.state import TrainerState
 
@@ -101,13 +101,25 @@ class Fault:
         return checksum
 
 
+class NewestAtEnd(Callback):
+    """The newest checkpoint of the manifest as ``on_train_end`` sees it (on every rank)."""
+
+    def __init__(self, checkpoints: Path) -> None:
+        self.manifest, self.step = checkpoints / "manifest.json", None
+
+    def on_train_end(self) -> None:
+        if self.manifest.exists():
+            self.step = json.loads(self.manifest.read_text())[-1]["step"]
+
+
 def run_case(case: dict[str, Any], index: int, out: Path) -> dict[str, Any]:
     save_path = Path(case.get("save_path", out / case["name"]))
     save_path.mkdir(parents=True, exist_ok=True)
     prefix = f"{case['name']}-{attempt()}.rank{get_rank()}"
     ids = IdLog(out / f"{prefix}.ids.jsonl")
     sigterm = Faults(sigterm_at=case.get("sigterm") if attempt() == index else None)
-    callbacks = [ids, sigterm]  # the same in every case: a checkpoint holds each one's state
+    newest = NewestAtEnd(save_path / "checkpoints")
+    callbacks = [ids, sigterm, newest]  # the same in every case: a checkpoint holds their states
     trainer = build_trainer(
         case["config"], save_path, EVERY, callbacks, checkpoint_async=case["async"]
     )
@@ -127,6 +139,7 @@ def run_case(case: dict[str, Any], index: int, out: Path) -> dict[str, Any]:
         "steps": result["steps"],
         "final": flat_params(trainer.model),
         "slowed": fault.steps,
+        "newest_at_end": newest.step,
     }
 
 
