@@ -305,3 +305,13 @@ def test_a_rank_that_outlives_the_store_host_exits_cleanly() -> None:
         assert result.returncode == 0, result.describe()
         assert "terminate called" not in result.output, result.describe()
     assert "watcher running: False" in results[1].output, results[1].describe()
+
+
+def test_the_hang_report_names_a_dead_rank_that_wrote_no_dump() -> None:
+    """Only rank 0 of 2 wrote its record (rank 1 was killed): the report names rank 1, from
+    the world size in rank 0's record, without --world-size."""
+    from fastdist.distributed.hang_report import describe
+
+    record = {"rank": 0, "world_size": 2, "time": 0.0, "error": None, "position": "step 3"}
+    record |= {"stack": [["train.py", 7, "main"]], "collectives": {}}
+    assert "rank 1: no record (dead, or not answering)" in describe({0: record})

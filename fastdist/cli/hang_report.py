@@ -29,7 +29,7 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("dir", metavar="DIR", help="the dump directory (<save_path>/hang)")
     parser.add_argument(
-        "--world-size", type=int, help="ranks in the job (default: the highest rank found + 1)"
+        "--world-size", type=int, help="ranks in the job (default: the dumps' world size)"
     )
     parser.set_defaults(run=run)
 

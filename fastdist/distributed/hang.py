@@ -64,6 +64,7 @@ class _Watch:
 
     def __init__(self, store: Any, rank: int, directory: str | None, position: Any) -> None:
         self.store, self.rank, self.directory, self.position = store, rank, directory, position
+        self.world_size = dist.get_world_size()
         self.failure: dict[str, Any] | None = None  # this rank's record of its own failure
         self.written = False  # the first dump of this process stays: it shows the hang
         self.number = 1  # the request it waits for
@@ -90,6 +91,7 @@ class _Watch:
         """This rank's record: its stack (outermost frame first), collectives, position."""
         return {
             "rank": self.rank,
+            "world_size": self.world_size,
             "time": time.time(),
             "error": error,
             "position": self.position(),

@@ -29,8 +29,9 @@ def read_records(directory: str | Path) -> dict[int, Record]:
 
 def describe(records: dict[int, Record], world_size: int | None = None) -> str:
     """The report of ``records`` (by rank) of a job of ``world_size`` ranks (default: the
-    highest rank recorded + 1)."""
-    world_size = world_size or max(records, default=-1) + 1
+    world size the records name, so that a dead rank that wrote none is named too)."""
+    known = [r.get("world_size", 0) for r in records.values()]
+    world_size = world_size or max([*known, max(records, default=-1) + 1])
     waited = _waited(records)
     missing = {
         group: [r for r, record in records.items() if _seq(record, group) < seq]
