@@ -268,3 +268,24 @@ def test_a_rollback_to_a_corrupt_checkpoint_moves_nothing(
     log_lines.clear()
     assert trainer(tmp_path, checkpoint_every=2, n_epochs=2).train()["steps"] == 12
     assert any(f"resumed from {checkpoints / 'step-00000006.pt'}:" in line for line in log_lines)
+
+
+def test_a_manifest_that_cannot_be_written_is_one_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk at the manifest's write (after the checkpoint's): one line naming the
+    manifest, the unrecorded checkpoint and the fix (was a bare 'No space left on device')."""
+    import errno
+
+    from fastdist.checkpoint import files
+
+    def full(directory: str, entries: list[dict[str, Any]]) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files, "_write_manifest", full)
+    with pytest.raises(OSError) as raised:
+        CheckpointDir(str(tmp_path), keep=1).save({"run": 1}, 2)
+    message = str(raised.value)
+    assert message.startswith(f"could not write the manifest {tmp_path / 'manifest.json'}: ")
+    assert "no space left on its filesystem" in message
+    assert "step-00000002.pt is not recorded; free space" in message

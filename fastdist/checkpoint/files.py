@@ -118,11 +118,13 @@ def atomic_save(obj: Any, path: str) -> int:
 
 def checkpoint_write_failure(path: str, obj: Any, exc: BaseException) -> str:
     """:func:`write_failure` of the checkpoint ``path`` (of ``obj``), advising the resume."""
-    fix = (
-        "free space or use another save_path/checkpoint_dir, then train(resume='auto') "
-        "continues from the newest intact checkpoint"
-    )
-    return write_failure("the checkpoint", path, obj, exc, fix)
+    return write_failure("the checkpoint", path, obj, exc, _RESUME_FIX)
+
+
+_RESUME_FIX = (
+    "free space or use another save_path/checkpoint_dir, then train(resume='auto') "
+    "continues from the newest intact checkpoint"
+)
 
 
 def write_failure(what: str, path: str, obj: Any, exc: BaseException, fix: str) -> str:
@@ -134,7 +136,8 @@ def write_failure(what: str, path: str, obj: Any, exc: BaseException, fix: str) 
         cause = f"no space left on its filesystem ({_mib(usage.free)} free)"
     else:
         cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
-    return f"could not write {what} {path} (about {_mib(size)} of tensors): {cause}; {fix}"
+    sized = f" (about {_mib(size)} of tensors)" if size else ""
+    return f"could not write {what} {path}{sized}: {cause}; {fix}"
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -251,7 +254,13 @@ class CheckpointDir:
         owned = [e for e in entries if e["file"] in self.own]
         dropped = owned[: -self.keep]
         kept = [e for e in entries if e not in dropped]  # another run's stay listed
-        _write_manifest(self.directory, kept)
+        try:
+            _write_manifest(self.directory, kept)
+        except OSError as exc:  # the checkpoint stays unrecorded: resume skips it
+            self.own.discard(name)
+            manifest = os.path.join(self.directory, MANIFEST)
+            fix = f"{name} is not recorded; {_RESUME_FIX}"
+            raise OSError(write_failure("the manifest", manifest, None, exc, fix)) from exc
         for old in dropped:  # only now that the new checkpoint and manifest are durable
             old_path = os.path.join(self.directory, old["file"])
             if os.path.isdir(old_path):
