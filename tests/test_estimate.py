@@ -152,6 +152,7 @@ def test_parse_bytes() -> None:
         parse_bytes("eighty")
 
 
+@pytest.mark.long  # a memory measurement of 6 trainings: python -m pytest -m long
 @pytest.mark.slow
 def test_estimate_on_wider_models(tmp_path: Path) -> None:
     # A GRU language model, a conv net under activation checkpointing and an MoE net, under

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import types
+from typing import Any
 
 import torch.distributed as dist
 
@@ -44,22 +45,31 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
         limit = f"{timeout:g} s (DistTrainer(timeout=...))" if timeout else "the group's timeout"
         headline = f"a collective failed on rank {board.rank} (waits are bounded by {limit})"
         logger.error("%s: %s\n%s", headline, summary, board.report())  # before torchrun's SIGTERM
-        silent = board.silent_ranks(STORE_WAIT_S)
+        try:  # up to ANSWER_WAIT_S; none in a one-process world
+            records = within(hang.ANSWER_WAIT_S + 1, lambda: hang.collect(board.world_size))
+        except Exception:  # the store's host is out of reach: the report above stands
+            records = {}
+        silent = _silent(records, board)
         if silent:
             logger.error(
                 "ranks that reported no failure within %g s (dead, stuck or cut off): %s",
                 STORE_WAIT_S,
                 silent,
             )
-        try:  # up to ANSWER_WAIT_S; none in a one-process world
-            records = within(hang.ANSWER_WAIT_S + 1, lambda: hang.collect(board.world_size))
-        except Exception:  # the store's host is out of reach: the report above stands
-            records = {}
         if records:
             logger.error("%s:\n%s", _dumps(), describe(records, board.world_size))
     else:
         logger.error("rank %d raised %s\n%s", board.rank, summary, board.report(), exc_info=exc)
     exc.fastdist_reported = True  # type: ignore[attr-defined]
+
+
+def _silent(records: dict[int, dict[str, Any]], board: PositionBoard) -> list[int]:
+    """The other ranks that did not report a failure: dead, stuck or cut off. From the hang
+    records where they came (a failed rank answers with its error), else from the store."""
+    if not records:
+        return board.silent_ranks(STORE_WAIT_S)
+    others = (r for r in range(board.world_size) if r != board.rank)
+    return [r for r in others if not records.get(r, {}).get("error")]
 
 
 def _dumps() -> str:

@@ -79,7 +79,7 @@ def run_case(case: dict[str, Any], out: Path) -> dict[str, Any]:
     try:
         trainer.train(resume=case["resume"])
     except Exception as exc:  # the outcome under test: the same on every rank
-        if get_rank() == 0 and (checkpoints / "manifest.json").exists():
+        if get_rank() == 0 and fill and (checkpoints / "manifest.json").exists():
             manifest = json.loads((checkpoints / "manifest.json").read_text())
             left = {
                 "names": sorted(os.listdir(checkpoints)),

@@ -123,6 +123,8 @@ def train(
         callbacks_master=[probe],
     )
     record: dict[str, Any] = {"attempt": attempt, "ranks": ranks(), "save_path": str(save_path)}
+    path = out / f"{attempt}.rank{rank}.json"
+    path.write_text(json.dumps(record))  # a rank Ray kills while it reports a failure has this
     try:
         record["result"] = trainer.train()
         record["params"] = full_params(trainer.model)
@@ -131,7 +133,7 @@ def train(
         raise
     finally:
         record["master_probe_ran"] = probe.ran
-        (out / f"{attempt}.rank{rank}.json").write_text(json.dumps(record))
+        path.write_text(json.dumps(record))
     return record
 
 
