@@ -34,20 +34,11 @@ from torch.utils.data import TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import child_env, run_job  # noqa: E402
 from benchmarks.fsdp import StepClock  # noqa: E402
+from benchmarks.tp import WIDTH, Block  # noqa: E402  (the same residual MLP block)
 from fastdist import DDP, DistTrainer, Pipeline, all_gather_object, estimate_memory  # noqa: E402
 
-WIDTH, BLOCKS, DIM, CLASSES, BATCH, MICRO = 512, 8, 64, 10, 32, 8
+BLOCKS, DIM, CLASSES, BATCH, MICRO = 8, 64, 10, 32, 8
 PREFIX = "PP-BENCH "
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(WIDTH, 4 * WIDTH)
-        self.down = nn.Linear(4 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(nn.functional.gelu(self.up(x)))
 
 
 class Model(nn.Module):
