@@ -1,4 +1,5 @@
-"""What the benchmark drivers share: ports, the workers' environment, one torchrun job."""
+"""What the benchmark drivers share: ports, the workers' environment, one torchrun job, rounds
+of loops in alternating order."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from fastdist.distributed.env import TORCHRUN_VARS
@@ -66,3 +68,13 @@ def run_job(script: str, nproc: int, env: dict[str, str], prefix: str, timeout: 
         )
     result: dict[str, Any] = json.loads(lines[0][len(prefix) :])
     return result
+
+
+def alternating(loops: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each loop's result per round, the loops' order flipped every round (no loop always goes
+    first)."""
+    results: dict[str, list[float]] = {name: [] for name in loops}
+    for round_ in range(rounds):
+        for name in list(loops)[:: -1 if round_ % 2 else 1]:
+            results[name].append(loops[name]())
+    return results

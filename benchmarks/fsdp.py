@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import child_env, run_job  # noqa: E402
+from benchmarks.common import alternating, child_env, run_job  # noqa: E402
 from fastdist import Callback, DistTrainer, get_rank  # noqa: E402
 
 HIDDEN, BLOCKS, DIM, CLASSES, BATCH = 1536, 14, 64, 10, 8
@@ -135,11 +135,7 @@ def worker() -> None:
             "fsdp": lambda: run_trainer("fsdp", steps)[0],
             "ddp": lambda: run_trainer("ddp", steps)[0],
         }
-        times: dict[str, list[float]] = {name: [] for name in loops}
-        for round_ in range(rounds):  # the order flips every round: no loop always goes first
-            for name in list(loops)[:: -1 if round_ % 2 else 1]:
-                times[name].append(loops[name]())
-        result["ms_per_step"] = times
+        result["ms_per_step"] = alternating(loops, rounds)
     else:
         _, result["bytes"] = run_trainer(mode, 3)
         result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

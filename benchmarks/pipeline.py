@@ -32,7 +32,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.utils.data import TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import child_env, run_job  # noqa: E402
+from benchmarks.common import alternating, child_env, run_job  # noqa: E402
 from benchmarks.fsdp import StepClock  # noqa: E402
 from benchmarks.tp import WIDTH, Block  # noqa: E402  (the same residual MLP block)
 from fastdist import DDP, DistTrainer, Pipeline, all_gather_object, estimate_memory  # noqa: E402
@@ -165,11 +165,7 @@ def worker() -> None:
     result: dict[str, Any] = {}
     if mode == "speed":
         loops = {"hand": lambda: run_hand(steps), "fastdist": lambda: run_trainer(steps)}
-        times: dict[str, list[float]] = {name: [] for name in loops}
-        for round_ in range(rounds):  # the order flips every round: no loop always goes first
-            for name in list(loops)[:: -1 if round_ % 2 else 1]:
-                times[name].append(loops[name]())
-        result["ms_per_update"] = times
+        result["ms_per_update"] = alternating(loops, rounds)
     else:
         run_trainer(1)  # warm-up: the first training of a process allocates for good
         strategies = {"pipeline": Pipeline(stages=2), "ddp": DDP()}
