@@ -2,9 +2,10 @@
 
 The checkpointer copies the state off the live tensors (:meth:`Background.copy`, and DCP's
 ``async_save`` for the shards), then hands the write to :class:`Background`: one thread, one
-write in flight. Every step of a write that may fail on some ranks only ends in :func:`agree`,
-a collective on a gloo group of the writer's own, so that every rank learns the same outcome;
-:meth:`Background.wait` raises a failure there, on every rank alike.
+write in flight. Every step of a write that may fail on some ranks only ends in
+:func:`~fastdist.distributed.agree`, a collective on a gloo group of the writer's own, so that
+every rank learns the same outcome; :meth:`Background.wait` raises a failure there, on every
+rank alike.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-
-from fastdist.distributed import all_gather_object
 
 T = TypeVar("T")
 
@@ -32,22 +31,6 @@ def _copy(state: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if type(state) in (list, tuple):
         return type(state)(_copy(value, tensor) for value in state)
     return copy.deepcopy(state)  # plain data (or a container of another type, copied whole)
-
-
-def agree(step: Callable[[], T], group: Any) -> list[T]:
-    """``step()`` on this rank, then a collective of ``group``: every rank's result, by rank;
-    if ``step`` raised on any rank, every rank raises ``OSError`` with the message of the
-    first that did (an ``OSError``'s own, else its type and message)."""
-    result, error = None, None
-    try:
-        result = step()
-    except Exception as exc:
-        error = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
-    outcomes = all_gather_object((error, result), group)
-    failed = next((error for error, _ in outcomes if error is not None), None)
-    if failed is not None:
-        raise OSError(failed)
-    return [result for _, result in outcomes]
 
 
 class Background:
@@ -93,7 +76,8 @@ class Background:
 
     def start(self, write: Callable[[], Any]) -> None:
         """Run ``write`` in the thread; the previous write must have been waited for.
-        ``write`` raises alike on every rank or not at all (its steps end in :func:`agree`)."""
+        ``write`` raises alike on every rank or not at all (its steps end in
+        :func:`~fastdist.distributed.agree`)."""
         assert self._thread is None, "a checkpoint write is still in flight"
 
         def run() -> None:

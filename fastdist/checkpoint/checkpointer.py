@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fastdist.checkpoint.background import Background, agree
+from fastdist.checkpoint.background import Background
 from fastdist.checkpoint.files import (
     SHARDED_REST,
     CheckpointDir,
@@ -42,7 +42,7 @@ from fastdist.checkpoint.format1 import upgrade
 from fastdist.checkpoint.loadable import unloadable
 from fastdist.checkpoint.resume import choose
 from fastdist.checkpoint.sharded import load_shards, publish, write_shards
-from fastdist.distributed import broadcast_object, gather_object, get_rank, get_world_size
+from fastdist.distributed import agree, broadcast_object, gather_object, get_rank, get_world_size
 from fastdist.logging import logger
 
 REPLICATED, PER_RANK, SHARDED = "replicated", "per_rank", "sharded"

@@ -1,6 +1,7 @@
 """Process group, rank queries and collectives that also work in a one-process world."""
 
 from fastdist.distributed.collectives import (
+    agree,
     agreed,
     all_gather_object,
     all_reduce_sum,
@@ -27,6 +28,7 @@ from fastdist.distributed.env import (
 )
 
 __all__ = [
+    "agree",
     "agreed",
     "all_gather_object",
     "all_reduce_sum",

@@ -120,6 +120,23 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     return gathered
 
 
+def agree(step: Callable[[], T], group: Any) -> list[T]:
+    """``step()`` on this rank, then a collective of ``group``: every rank's result, by rank;
+    if ``step`` raised on any rank, every rank raises ``OSError`` with the message of the
+    first that did (an ``OSError``'s own, else its type and message). Unlike :func:`agreed`,
+    it turns any exception into that ``OSError`` and gathers the results (picklable)."""
+    result, error = None, None
+    try:
+        result = step()
+    except Exception as exc:
+        error = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+    outcomes = all_gather_object((error, result), group)
+    failed = next((error for error, _ in outcomes if error is not None), None)
+    if failed is not None:
+        raise OSError(failed)
+    return [result for _, result in outcomes]
+
+
 def agreed(action: Callable[[], T], group: Any = None) -> T:
     """``action()`` on this rank, then a collective: if it raised ``OSError`` on any rank (a
     full disk on rank 0), every rank raises an ``OSError`` with that rank's message."""
