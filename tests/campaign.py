@@ -169,6 +169,9 @@ def check_kills(out: Path, kills: list[dict[str, Any]], result: Result, table: T
                     break
         if not later:
             lost |= _final_differs(faulty, straight, problems)
+            temps = sorted(p.name for p in (faulty / "checkpoints").glob(".tmp-*"))
+            if temps:  # each start removes those of the writes killed before it
+                problems.append(f"the temps of killed writes are left: {temps}")
         counts.add(problems, lost, what)
     if result.returncode != 0:
         counts = table.setdefault("kill: update", Counts())

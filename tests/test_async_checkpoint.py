@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -205,6 +206,8 @@ def test_a_kill_or_sigterm_during_an_async_write(runs: Path, tmp_path: Path) -> 
     assert result.output.count("exitcode: -9") == 2, result.describe()  # SIGKILL, twice
     assert "pre-empted: checkpoint written at step 8" in result.output, result.describe()
     resume_path = tmp_path / "sigterm" / "checkpoints" / "step-00000008.pt"
+    # update 8 is also a checkpoint's (every 2): written once, not again for the pre-emption
+    assert result.output.count(f"checkpoint written: {resume_path}") == 1, result.describe()
     assert f"resumed from {resume_path}" in result.output, result.describe()
     assert_resumed_as_straight(runs, tmp_path, "sigterm", "plain", 2, 8)
     for attempt, config in enumerate(CONFIGS):
@@ -215,4 +218,14 @@ def test_a_kill_or_sigterm_during_an_async_write(runs: Path, tmp_path: Path) -> 
         done = updates(tmp_path, f"{config}-kill", 0, attempt)
         assert done[-1]["step"] > killed, "training stopped for the write"
         assert_resumed_as_straight(runs, tmp_path, f"{config}-kill", config, attempt, resumed)
-    assert list((tmp_path / "plain-kill" / "checkpoints").glob(".tmp-*-step-00000006.pt"))
+    # Each kill left its temp (the half-written file of update 6, the shards' folder of update
+    # 4); the resume removed it, once the ranks agreed on the checkpoint, and said so in a line.
+    removed = "removed 1 temp(s) of checkpoint writes that were killed"
+    for config, temp in (
+        ("plain", r"\.tmp-[0-9a-f]{32}-step-00000006\.pt"),
+        ("fsdp", r"\.tmp-step-00000004"),
+    ):
+        checkpoints = tmp_path / f"{config}-kill" / "checkpoints"
+        assert not list(checkpoints.glob(".tmp-*")), sorted(os.listdir(checkpoints))
+        line = rf"{re.escape(removed)} \([0-9.]+ MiB\) from {re.escape(str(checkpoints))}: {temp}\n"
+        assert len(re.findall(line, result.output)) == 1, result.describe()

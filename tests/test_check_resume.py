@@ -48,6 +48,22 @@ def test_a_random_number_outside_the_trainer_fails_naming_the_parameter(tmp_path
     assert "step-00000003.pt: epoch 1" in (runs / "resumed.log").read_text()
 
 
+@pytest.mark.slow
+def test_a_script_that_trains_fewer_updates_fails_naming_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2 epochs of 2 updates: the straight run ends at update 4 of the 6 asked for; the check
+    says so after it, without the other two runs. (The tool runs in this process.)"""
+    monkeypatch.setenv("PYTHONPATH", str(TESTS_DIR.parent))  # the script imports this tree
+    runs = tmp_path / "runs"
+    tool = ["check-resume", str(SCRIPT), "--updates", "6", "--dir", str(runs), "--", "--small"]
+    assert cli_main(tool) == 2
+    error = capsys.readouterr().err
+    assert "the run trained 4 updates, fewer than the 6 it had to" in error
+    assert "pass --updates 4, or train longer (more data or epochs)" in error
+    assert not (runs / "killed.log").exists()
+
+
 def test_bad_arguments_are_refused_naming_them(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["check-resume", str(SCRIPT), "--updates", "5"]) == 2
     assert "--updates 5: pass an even number >= 2" in capsys.readouterr().err

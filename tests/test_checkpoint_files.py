@@ -7,10 +7,13 @@ The trainer is tests/inprocess.py's: 24 samples in batches of 4, 6 updates an ep
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import signal
 import stat
+import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,7 @@ from inprocess import make_trainer
 
 from fastdist import DistTrainer
 from fastdist.callbacks import Callback
-from fastdist.checkpoint.files import CheckpointDir
+from fastdist.checkpoint.files import CheckpointDir, atomic_file
 
 pytestmark = pytest.mark.usefixtures("no_dist_env")
 
@@ -289,3 +292,61 @@ def test_a_manifest_that_cannot_be_written_is_one_clear_error(
     assert message.startswith(f"could not write the manifest {tmp_path / 'manifest.json'}: ")
     assert "no space left on its filesystem" in message
     assert "step-00000002.pt is not recorded; free space" in message
+
+
+def _killed_mid_write(path: Path) -> None:
+    """A child process writes ``path`` and is killed before the fsync and the rename."""
+    pid = os.fork()
+    if pid == 0:  # the child: nothing but the write, then SIGKILL
+        with atomic_file(str(path)) as f:
+            f.write(b"x" * 100_000)
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+    assert os.waitpid(pid, 0)[1] == signal.SIGKILL
+
+
+def test_a_start_removes_the_temps_of_killed_writes_and_nothing_else(
+    tmp_path: Path, log_lines: list[str]
+) -> None:
+    """A process killed while it writes a checkpoint leaves its temp, full size; a stale
+    sharded temp folder too. The next start (here a fresh one) removes both, says so in one
+    line, and leaves the temps of a live writer (a thread here) and every other file alone."""
+    checkpoints = tmp_path / "save" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    _killed_mid_write(checkpoints / "step-00000003.pt")
+    (checkpoints / ".tmp-step-00000004").mkdir()  # a sharded write's, killed
+    (checkpoints / ".tmp-step-00000004" / "__0_0.distcp").write_bytes(b"y" * 5000)
+    users = [".tmp-notes.txt", ".tmp-0123-step-00000005.pt", "step-3.pt.tmp", ".tmp-step-x"]
+    for name in users:
+        (checkpoints / name).write_text("the user's")
+    live_dir = checkpoints / ".tmp-step-00000010"  # a sharded write's, live: locked
+    live_dir.mkdir()
+    held = os.open(live_dir, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # as its writer holds it
+    writing, done = threading.Event(), threading.Event()
+
+    def write() -> None:
+        with atomic_file(str(checkpoints / "step-00000009.pt")):
+            writing.set()
+            done.wait(60)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        assert writing.wait(60)
+        before = sorted(os.listdir(checkpoints))
+        (stale,) = [n for n in before if n.endswith("-step-00000003.pt")]
+        (live,) = [n for n in before if n.endswith("-step-00000009.pt")]
+        assert (checkpoints / stale).stat().st_size == 100_000
+        trainer(tmp_path / "save", n_epochs=1).train()
+        left = sorted(n for n in os.listdir(checkpoints) if "tmp" in n)
+        assert left == sorted([*users, live_dir.name, live])
+        removed = [line for line in log_lines if "temp(s)" in line]
+        assert removed == [
+            f"INFO removed 2 temp(s) of checkpoint writes that were killed (0.10 MiB) from "
+            f"{checkpoints}: {stale}, .tmp-step-00000004"
+        ]
+    finally:
+        done.set()
+        writer.join(60)
+        os.close(held)

@@ -91,22 +91,29 @@ def test_timeout_reports_every_ranks_position_collective_and_line(
     output = _failed("timeout", tmp_path)
     assert "a collective failed on rank 0 (waits are bounded by 8 s" in output
     assert "Timed out" in output
-    assert "rank 0 (this rank): epoch 1, step 2" in output
+    # Each line of both blocks says when it was taken: the positions (rank 1's as it last
+    # published it) before the hang report (each rank's as it answered, seconds later).
+    clock = r"\d\d:\d\d:\d\d\.\d"
+    assert re.search(rf"rank 0 \(this rank\): epoch 1, step 2, .*\(at {clock}\)\n", output)
     # rank 1 sleeps in on_step_end of update 2, after the sync it published
-    assert "rank 1: epoch 1, step 2, phase sync (published" in output
+    assert re.search(
+        rf"rank 1: epoch 1, step 2, phase sync \(published \d+ s ago, at {clock}\)", output
+    )
     assert "ranks not at this rank's position: [1]" in output
     # The hang report: rank 0 waits in DDP's all-reduce, which rank 1, asleep in the user's
     # callback, never entered; each rank's line of the worker's code.
     dumps = tmp_path / "save" / "hang"
-    headline = f"each rank's collective and Python line (files in {dumps}: python -m fastdist "
+    headline = "each rank's collective and Python line as it answered, at the time on its line "
+    headline += f"(files in {dumps}: python -m fastdist "
     assert f"{headline}hang-report {dumps}):" in output, output
     report = output.split(f"hang-report {dumps}):\n", 1)[1]
     report = "\n".join(re.findall(r"^  .*", report, re.MULTILINE)[:7])  # rank 0's report only
     rank_0 = re.escape(_worker_line("result = trainer.train()") + " in main (your code)")
     rank_1 = re.escape(_worker_line("time.sleep(2 * TIMEOUT)") + " in _sleep_on_rank_1 (your code)")
     pattern = (
-        r"  rank 0: FAILED with RuntimeError: .*Timed out.*\n    in gloo:all_reduce #(\d+) of "
-        rf"group 1\n    at {rank_0}, innermost .*\n  rank 1: epoch 1, step 2, phase \w+\n    never "
+        rf"  rank 0 \(at {clock}\): FAILED with RuntimeError: .*Timed out.*\n    in "
+        rf"gloo:all_reduce #(\d+) of group 1\n    at {rank_0}, innermost .*\n  rank 1 \(at "
+        rf"{clock}\): epoch 1, step 2, phase \w+\n    never "
         rf"entered gloo:all_reduce #\1 of group 1 \(its last there: #\d+\)\n    at {rank_1}\n"
         r"  missing ranks: \[1\] never entered gloo:all_reduce #\1 of group 1 \(ranks \[0\] "
         r"entered it\)$"
@@ -141,7 +148,7 @@ def test_the_report_says_where_a_dead_rank_was_a_second_before(tmp_path: Path) -
     report places it after update 3 (it said step 0, its last phase change)."""
     output = _failed("dies_mid_run", tmp_path)
     assert "a collective failed on rank 0" in output, output
-    assert re.search(r"rank 1: epoch 1, step 3, phase train \(published [01] s ago\)", output)
+    assert re.search(r"rank 1: epoch 1, step 3, phase train \(published [01] s ago, at ", output)
 
 
 @pytest.mark.slow
@@ -315,3 +322,79 @@ def test_the_hang_report_names_a_dead_rank_that_wrote_no_dump() -> None:
     record = {"rank": 0, "world_size": 2, "time": 0.0, "error": None, "position": "step 3"}
     record |= {"stack": [["train.py", 7, "main"]], "collectives": {}}
     assert "rank 1: no record (dead, or not answering)" in describe({0: record})
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_a_hang_answer_dumps_the_flight_recorder_once_and_says_where_it_could_not_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One answer takes one flight-recorder dump, for its record and its file alike (it took
+    two); a dump directory that cannot be made is said in the answer, with why, and the
+    failure report's headline says so instead of naming the files."""
+    import threading
+
+    import torch
+
+    from fastdist.distributed import hang
+    from fastdist.trainer.failure import _dumps
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "20")
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timedelta(seconds=10), False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    dumps: list[dict] = []
+
+    def counted() -> dict:
+        dumps.append(recorder())
+        return dumps[-1]
+
+    recorder = hang._flight_recorder
+    monkeypatch.setattr(hang, "_flight_recorder", counted)
+    try:
+        dist.all_reduce(torch.ones(1))
+        (tmp_path / "blocker").write_text("")
+        for n, where in enumerate([tmp_path / "hang", tmp_path / "blocker" / "hang"], 1):
+            watch = hang._Watch(store, 0, str(where), lambda: "epoch 1, step 2")
+            watch.number = n  # the request it answers, in its thread, as on a rank
+            thread = threading.Thread(target=watch.run, daemon=True)
+            thread.start()
+            store.set(f"fastdist/hang/request/{n}/0", "")
+            store.wait([f"fastdist/hang/{n}/0"], timedelta(seconds=30))
+            store.set(f"fastdist/hang/request/{n + 1}/0", "stop")
+            thread.join(30)
+            answer = json.loads(store.get(f"fastdist/hang/{n}/0"))
+            assert len(dumps) == n, "the flight recorder was dumped more than once"
+            assert answer["collectives"] == hang.last_collectives(dumps[-1]) != {}
+        assert answer["dump_error"].startswith("NotADirectoryError: "), answer["dump_error"]
+        monkeypatch.setattr(hang, "_watch", watch)  # this process's watcher, as watch() sets it
+        headline, blocked = _dumps({0: answer}), tmp_path / "blocker" / "hang"
+        assert f"(no files: they could not be written to {blocked}: NotADirectoryError" in headline
+        files = tmp_path / "hang"
+        fr = json.loads((files / "rank0.fr.json").read_text())
+        assert fr == json.loads(json.dumps(dumps[0], default=str))
+        assert json.loads((files / "rank0.json").read_text())["position"] == "epoch 1, step 2"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_hang_report_names_a_truncated_record_and_reports_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """rank1.json truncated, rank2.json not a record: each is named with what is wrong, rank 0
+    is reported, the exit status is 1; --world-size 0 or below is refused naming it."""
+    record = {"rank": 0, "world_size": 3, "time": 0.0, "error": None, "position": "step 3"}
+    record |= {"stack": [["train.py", 7, "main"]], "collectives": {}}
+    (tmp_path / "rank0.json").write_text(json.dumps(record))
+    (tmp_path / "rank1.json").write_text(json.dumps(dict(record, rank=1))[:40])
+    (tmp_path / "rank2.json").write_text(json.dumps([record]))
+    assert cli_main(["hang-report", str(tmp_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"  rank 0 \(at \d\d:\d\d:\d\d\.\d\): step 3", lines[1]), lines
+    assert lines[2:3] == ["    at train.py:7 in main (your code)"], lines
+    truncated = f"  rank 1: no record: {tmp_path / 'rank1.json'}: not JSON (truncated or corrupt?)"
+    assert lines[3].startswith(truncated + ": "), lines
+    listed = f"  rank 2: no record: {tmp_path / 'rank2.json'}: not a record (a JSON object)"
+    assert lines[4] == listed + " but a list", lines
+    for size in ("0", "-2"):
+        assert cli_main(["hang-report", str(tmp_path), "--world-size", size]) == 2
+        error = capsys.readouterr().err
+        assert f"--world-size {size}: pass the number of ranks of the job (1 or more)" in error

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -41,7 +40,8 @@ from fastdist.checkpoint.files import (
 from fastdist.checkpoint.format1 import upgrade
 from fastdist.checkpoint.loadable import unloadable
 from fastdist.checkpoint.resume import choose
-from fastdist.checkpoint.sharded import load_shards, publish, write_shards
+from fastdist.checkpoint.sharded import discard, load_shards, publish, write_shards
+from fastdist.checkpoint.temps import remove_stale
 from fastdist.distributed import agree, broadcast_object, gather_object, get_rank, get_world_size
 from fastdist.logging import logger
 
@@ -224,7 +224,7 @@ class Checkpointer:
             ranks = agree(write, group)
         except OSError:
             if master:  # the shards written meanwhile: nothing names them
-                shutil.rmtree(tmp, ignore_errors=True)
+                discard(tmp)
             raise
         files = dict(sorted(item for checksums in ranks for item in checksums.items()))
 
@@ -263,6 +263,7 @@ class Checkpointer:
         """
         fetch = None if self.mirror is None else self.mirror.fetch
         found = choose(resume, self.dir, self.group, fetch)
+        self._remove_stale_temps()
         if found is None:
             return None
         saved, path, rollback = found
@@ -283,6 +284,21 @@ class Checkpointer:
             for part in self._scoped(SHARDED):
                 part.obj.load_state_dict(sharded[part.name])
         return Resumed(path, checkpoint["world_size"], rollback)
+
+    def _remove_stale_temps(self) -> None:
+        """Rank 0, once the ranks agreed on the checkpoint to resume from and before this run
+        writes one: remove the temps of killed writes (a crash loop would fill the disk)."""
+        if self.dir is None or self.rank != 0:
+            return
+        removed, freed = remove_stale(self.dir.directory)
+        if removed:
+            logger.info(
+                "removed %d temp(s) of checkpoint writes that were killed (%.2f MiB) from %s: %s",
+                len(removed),
+                freed / 2**20,
+                self.dir.directory,
+                ", ".join(removed),
+            )
 
     def _check_saved(self, checkpoint: dict[str, Any], part: Part, path: str) -> None:
         """Raise (alike on every rank, before any collective) if ``part`` is not in the

@@ -14,12 +14,18 @@ checkpoint is written to a temp file, checksummed, fsynced and renamed; only the
 manifest replaced the same way, and only then are this run's checkpoints beyond ``keep``
 pruned. Files are created like any file of the user's (mode 0o666 less the umask). Loading
 verifies the checksums and uses ``torch.load(weights_only=True)``, which refuses pickled code.
+
+A write killed before its rename leaves its temp (``.tmp-<hex>-step-00000120.pt``,
+``.tmp-step-00000240/``). Its writer holds an ``flock`` on it while it lives, which the kernel
+releases when the process ends; :func:`~fastdist.checkpoint.temps.remove_stale` removes the
+temps of this naming that no one holds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import itertools
 import json
 import os
@@ -43,17 +49,19 @@ def atomic_file(path: str) -> Iterator[IO[bytes]]:
     """Yield a new temp file next to ``path``; on success fsync it and rename it over ``path``.
 
     ``open(..., "xb")`` creates it with mode 0o666 less the umask, as the user's other files
-    (``tempfile.mkstemp`` would make it 0o600), without touching the process-wide umask.
+    (``tempfile.mkstemp`` would make it 0o600), without touching the process-wide umask. It is
+    locked (``flock``) until renamed: a live write's, which no one removes.
     """
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
     try:
         with open(tmp, "xb") as f:  # f.name is the temp file's path
+            fcntl.flock(f, fcntl.LOCK_EX)
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # still locked
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

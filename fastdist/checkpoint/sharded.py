@@ -8,10 +8,10 @@ Layout of one checkpoint, a directory ``step-00000120/`` next to the manifest::
                                                 rank 0, torch.save of tensors and plain data
 
 All ranks write into ``.tmp-step-00000120/`` (in the background with ``checkpoint_async``: DCP's
-``async_save``) and checksum what they wrote; once every rank has finished, rank 0 publishes it
-with one rename, then records it and the CRC-32 of each of its files in the manifest. DCP
-reshards on load, so a checkpoint of N ranks resumes on M (the one-process run holds plain
-tensors).
+``async_save``), which rank 0 holds locked meanwhile (:mod:`fastdist.checkpoint.temps`), and
+checksum what they wrote; once every rank has finished, rank 0 publishes it with one rename,
+then records it and the CRC-32 of each of its files in the manifest. DCP reshards on load, so a
+checkpoint of N ranks resumes on M (the one-process run holds plain tensors).
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ from typing import Any
 import torch.distributed as dist
 
 from fastdist.checkpoint.files import crc32, fsync_dir
+from fastdist.checkpoint.temps import lock_temp
 from fastdist.distributed import is_distributed
 
 METADATA = ".metadata"  # DCP's index of the shards, written by the coordinating rank 0
 _SHARD_FILE = re.compile(r"__(\d+)_")  # DCP's FileSystemWriter names rank R's files __R_*
+_locks: dict[str, int] = {}  # rank 0's temp folders being written, by path: their locks
 
 
 def _barrier(group: Any) -> None:
@@ -53,8 +55,9 @@ def write_shards(
     import torch.distributed.checkpoint as dcp  # ~0.7 s with DTensor: sharded checkpoints only
 
     if is_master:
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # a dead attempt's leftovers
+        discard(tmp_dir)  # a dead attempt's leftovers
         os.makedirs(tmp_dir)
+        _locks[tmp_dir] = lock_temp(tmp_dir)
     _barrier(group)
     save: Callable[[], Any]
     if stager is not None:
@@ -88,7 +91,20 @@ def publish(tmp_dir: str, final_dir: str) -> None:
     """Rank 0, once every rank has finished writing: rename ``tmp_dir`` to ``final_dir``."""
     shutil.rmtree(final_dir, ignore_errors=True)
     os.replace(tmp_dir, final_dir)
+    _unlock(tmp_dir)
     fsync_dir(os.path.dirname(final_dir))  # durable before the manifest names it
+
+
+def discard(tmp_dir: str) -> None:
+    """Rank 0, after a failed write: remove ``tmp_dir`` (nothing names its shards)."""
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    _unlock(tmp_dir)
+
+
+def _unlock(tmp_dir: str) -> None:
+    fd = _locks.pop(tmp_dir, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def load_shards(state: dict[str, Any], path: str, group: Any = None) -> None:

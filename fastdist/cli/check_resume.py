@@ -110,10 +110,11 @@ def _check(args: argparse.Namespace, work: Path) -> dict[str, float]:
     half, whole = args.updates // 2, args.updates
     through, resumed = work / "through", work / "resumed"
     _run(args, work / "through.log", through, stop_at=whole, kill=False)
+    straight = _final(through, whole)
     _run(args, work / "killed.log", resumed, stop_at=half, kill=True)
     _final(resumed, half)  # the kill came after the checkpoint at half
     _run(args, work / "resumed.log", resumed, stop_at=whole, kill=False)
-    return _differences(_final(through, whole), _final(resumed, whole))
+    return _differences(straight, _final(resumed, whole))
 
 
 def _run(args: argparse.Namespace, log: Path, save: Path, stop_at: int, kill: bool) -> None:
@@ -145,11 +146,16 @@ def _final(save: Path, step: int) -> dict[str, torch.Tensor]:
     except (OSError, ValueError) as exc:
         raise CheckError(f"no checkpoint in {save}: {exc}") from exc
     found = re.search(r"step-0*(\d+)", os.path.basename(source))
-    if found is None or int(found.group(1)) != step:
+    reached = None if found is None else int(found.group(1))
+    if reached is not None and reached < step:
+        fix = f"pass --updates {reached - reached % 2}" if reached >= 2 else "give it more data"
         raise CheckError(
-            f"the newest checkpoint is {source}, not at update {step}: the script trains fewer "
-            "updates than --updates asks, or stopped on its own"
+            f"the run trained {reached} updates, fewer than the {step} it had to (its newest "
+            f"checkpoint is {source}): the script's data and n_epochs end training there, or it "
+            f"stopped on its own; {fix}, or train longer (more data or epochs)"
         )
+    if reached != step:
+        raise CheckError(f"the newest checkpoint is {source}, not at update {step}")
     return weights
 
 

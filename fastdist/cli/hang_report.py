@@ -4,7 +4,8 @@ DIR is the dump directory of a job whose collective failed (``<save_path>/hang``
 or ``$FASTDIST_HANG_DIR``): every rank wrote its record there. The report says, per rank, the
 collective it waits in or never entered (the missing ranks) and its Python line, as the failing
 rank logged it; each rank's whole stack is in ``rank<r>.stack.txt`` beside it, and its flight
-recorder buffer in ``rank<r>.fr.json``.
+recorder buffer in ``rank<r>.fr.json``. A record file that does not read (truncated, corrupt)
+is named in the report, with what is wrong, and the others are reported.
 
 Example:
     python -m fastdist hang-report save/hang
@@ -35,21 +36,25 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the report; return 0, or 1 with a message on stderr when DIR holds no dumps."""
-    try:
-        records = read_records(args.dir)
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"fastdist hang-report: cannot read {args.dir}: {exc}", file=sys.stderr)
-        return 1
-    if not records:
+    """Print the report; return 0, 1 when DIR holds no dumps or one that does not read (named
+    in the report), 2 for a bad ``--world-size``."""
+    if args.world_size is not None and args.world_size < 1:
+        print(
+            f"fastdist hang-report: --world-size {args.world_size}: pass the number of ranks "
+            "of the job (1 or more), or leave it out (the dumps' world size)",
+            file=sys.stderr,
+        )
+        return 2
+    records, unreadable = read_records(args.dir)
+    if not records and not unreadable:
         print(
             f"fastdist hang-report: no rank<r>.json in {args.dir}: pass the dump directory of a "
             "job whose collective failed (<save_path>/hang, or $FASTDIST_HANG_DIR)",
             file=sys.stderr,
         )
         return 1
-    newest = max(record["time"] for record in records.values())
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(newest))
+    newest = max((record["time"] for record in records.values()), default=None)
+    when = "?" if newest is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(newest))
     print(f"hang report of {args.dir} (dumped at {when}):")
-    print(describe(records, args.world_size))
-    return 0
+    print(describe(records, args.world_size, unreadable))
+    return 1 if unreadable else 0

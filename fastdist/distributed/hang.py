@@ -13,7 +13,9 @@ directory, for ``python -m fastdist hang-report DIR``:
 - ``rank<r>.stack.txt``: the stack of the record and faulthandler's dump of every thread;
 - ``rank<r>.fr.json``: the flight recorder's buffer (its last ``TORCH_FR_BUFFER_SIZE`` entries).
 
-Each file is replaced at each request, so a job's dumps stay a few hundred KiB per rank.
+A process writes its files once, at its first record (the one that shows the hang), with the
+record's own flight-recorder dump; its record says why they could not be written
+(``dump_error``), so that the report does not name files that are not there.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class _Watch:
         self.world_size = dist.get_world_size()
         self.failure: dict[str, Any] | None = None  # this rank's record of its own failure
         self.written = False  # the first dump of this process stays: it shows the hang
+        self.dump_error: str | None = None  # why that dump could not be written
         self.number = 1  # the request it waits for
         self.thread: threading.Thread | None = None
 
@@ -78,7 +81,7 @@ class _Watch:
                 client.wait([key], datetime.timedelta(days=1))
                 if client.get(key) == b"stop":
                     return  # this process is exiting (see stop())
-                self.answer(client, self.number, self.failure or self.record(_main_stack()))
+                self.answer(client, self.number)
             except dist.DistStoreError as exc:
                 if "timeout" not in str(exc):
                     return  # the store is gone: the job is over
@@ -87,8 +90,11 @@ class _Watch:
                 return
             self.number += 1
 
-    def record(self, stack: traceback.StackSummary, error: str | None = None) -> dict[str, Any]:
-        """This rank's record: its stack (outermost frame first), collectives, position."""
+    def record(
+        self, stack: traceback.StackSummary, recorded: dict[str, Any], error: str | None = None
+    ) -> dict[str, Any]:
+        """This rank's record: its stack (outermost frame first), collectives (from the flight
+        recorder's dump ``recorded``), position."""
         return {
             "rank": self.rank,
             "world_size": self.world_size,
@@ -96,19 +102,26 @@ class _Watch:
             "error": error,
             "position": self.position(),
             "stack": [[f.filename, f.lineno, f.name] for f in stack],
-            "collectives": last_collectives(),
+            "collectives": last_collectives(recorded),
         }
 
-    def answer(self, store: Any, number: int, record: dict[str, Any]) -> None:
-        """Put ``record`` in the store for request ``number`` and write this rank's files."""
-        store.set(_ANSWER.format(number, self.rank), json.dumps(record))
-        self.write(record)
+    def answer(self, store: Any, number: int) -> None:
+        """Answer request ``number``: with this rank's failure, else a record taken now (its
+        files written first, from the same flight-recorder dump); with ``dump_error``."""
+        record = self.failure
+        if record is None:
+            recorded = _flight_recorder()
+            record = self.record(_main_stack(), recorded)
+            self.write(record, recorded)
+        answer = dict(record, dump_error=self.dump_error)
+        store.set(_ANSWER.format(number, self.rank), json.dumps(answer))
 
-    def write(self, record: dict[str, Any]) -> None:
-        """Write this rank's files, unless this process wrote them already."""
+    def write(self, record: dict[str, Any], recorded: dict[str, Any]) -> None:
+        """Write this rank's files (``recorded``: the flight recorder's dump), unless this
+        process wrote them already; note why they could not be written."""
         if self.directory is not None and not self.written:
             self.written = True
-            _write_files(Path(self.directory), record)
+            self.dump_error = _write_files(Path(self.directory), record, recorded)
 
 
 _watch: _Watch | None = None
@@ -171,8 +184,9 @@ def note_failure(exc: BaseException) -> None:
     if tb is not None:  # the callers of the frame that caught it, then the traceback
         stack = traceback.extract_stack(tb.tb_frame.f_back)
         stack.extend(traceback.extract_tb(tb))
-    _watch.failure = _watch.record(stack, f"{type(exc).__name__}: {exc}"[:300])
-    _watch.write(_watch.failure)
+    recorded = _flight_recorder()
+    _watch.failure = _watch.record(stack, recorded, f"{type(exc).__name__}: {exc}"[:300])
+    _watch.write(_watch.failure, recorded)
 
 
 def collect(world_size: int) -> dict[int, dict[str, Any]]:
@@ -208,11 +222,12 @@ def _earlier_answer(store: Any, number: int, rank: int) -> str | None:
     return next((key for key in keys if store.check([key])), None)
 
 
-def last_collectives() -> dict[str, dict[str, Any]]:
-    """The last collective this rank entered in each process group (from the flight
-    recorder): ``{"<id> (<name>)": {"seq": n, "name": "gloo:all_reduce", "called_at": ...}}``."""
+def last_collectives(recorded: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The last collective this rank entered in each process group, from the flight
+    recorder's dump ``recorded``: ``{"<id> (<name>)": {"seq": n, "name": "gloo:all_reduce",
+    "called_at": ...}}``."""
     last: dict[str, dict[str, Any]] = {}
-    for entry in _flight_recorder().get("entries", []):
+    for entry in recorded.get("entries", []):
         if entry.get("is_p2p"):
             continue
         number, name = entry["process_group"]
@@ -253,8 +268,9 @@ def _main_stack() -> traceback.StackSummary:
     return traceback.extract_stack(frame) if frame is not None else traceback.StackSummary()
 
 
-def _write_files(directory: Path, record: dict[str, Any]) -> None:
-    """This rank's three files under ``directory`` (failures to write are not the job's)."""
+def _write_files(directory: Path, record: dict[str, Any], recorded: dict[str, Any]) -> str | None:
+    """This rank's three files under ``directory`` (``recorded``: the flight recorder's dump);
+    ``None``, or why they could not be written (a failure to write is not the job's)."""
     rank = record["rank"]
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -267,8 +283,10 @@ def _write_files(directory: Path, record: dict[str, Any]) -> None:
             out.write("\nevery thread now (faulthandler):\n")
             out.flush()
             faulthandler.dump_traceback(out, all_threads=True)
-        recorded = _flight_recorder()
         if recorded:
             (directory / f"rank{rank}.fr.json").write_text(json.dumps(recorded, default=str))
     except Exception as exc:  # noqa: BLE001 - a dump must never hide the failure it reports
-        print(f"fastdist: could not write the hang dump to {directory}: {exc}", file=sys.stderr)
+        why = f"{type(exc).__name__}: {exc}"
+        print(f"fastdist: could not write the hang dump to {directory}: {why}", file=sys.stderr)
+        return why
+    return None

@@ -13,25 +13,67 @@ from pathlib import Path
 from typing import Any
 
 from fastdist.distributed.hang import is_library
+from fastdist.distributed.position import clock
 
 Record = dict[str, Any]
 
 
-def read_records(directory: str | Path) -> dict[int, Record]:
-    """The ``rank<r>.json`` records of a dump directory, by rank."""
-    records = {}
+def read_records(directory: str | Path) -> tuple[dict[int, Record], dict[int, str]]:
+    """The ``rank<r>.json`` records of a dump directory, by rank; and, by rank, what is wrong
+    with each file that holds no record (its path and why: truncated, corrupt...)."""
+    records, unreadable = {}, {}
     for path in sorted(Path(directory).glob("rank*.json")):
-        if path.stem[4:].isdigit():
+        if not path.stem[4:].isdigit():
+            continue
+        rank = int(path.stem[4:])
+        try:
             record = json.loads(path.read_text())
-            records[int(record["rank"])] = record
-    return records
+            problem = _problem(record, rank)
+        except (OSError, ValueError) as exc:  # ValueError: invalid JSON or UTF-8
+            problem = f"not JSON (truncated or corrupt?): {exc}"
+        if problem is None:
+            records[rank] = record
+        else:
+            unreadable[rank] = f"{path}: {problem}"
+    return records, unreadable
 
 
-def describe(records: dict[int, Record], world_size: int | None = None) -> str:
+def _problem(record: Any, rank: int) -> str | None:
+    """What keeps ``record`` (from ``rank<rank>.json``) from being a hang record, or ``None``."""
+    if not isinstance(record, dict):
+        return f"not a record (a JSON object) but a {type(record).__name__}"
+    missing = [key for key in ("rank", "time", "position", "stack") if key not in record]
+    if missing:
+        return f"a record without {', '.join(missing)}"
+    if record["rank"] != rank:
+        return f"holds the record of rank {record['rank']!r}"
+    frames = record["stack"]
+    if not isinstance(frames, list) or not all(
+        isinstance(f, list) and len(f) == 3 and isinstance(f[1], int) for f in frames
+    ):
+        return "its stack is not a list of [file, line, function]"
+    collectives = record.get("collectives", {})
+    if not isinstance(collectives, dict) or not all(
+        isinstance(c, dict) and isinstance(c.get("seq"), int) and "name" in c
+        for c in collectives.values()
+    ):
+        return 'its collectives are not {group: {"seq": n, "name": ...}}'
+    if not isinstance(record["time"], (int, float)):
+        return "its time is not a number"
+    return None
+
+
+def describe(
+    records: dict[int, Record],
+    world_size: int | None = None,
+    unreadable: dict[int, str] | None = None,
+) -> str:
     """The report of ``records`` (by rank) of a job of ``world_size`` ranks (default: the
-    world size the records name, so that a dead rank that wrote none is named too)."""
+    world size the records name, so that a dead rank that wrote none is named too); the ranks
+    of ``unreadable`` (what is wrong with their files) are named with it."""
+    unreadable = unreadable or {}
     known = [r.get("world_size", 0) for r in records.values()]
-    world_size = world_size or max([*known, max(records, default=-1) + 1])
+    world_size = world_size or max([*known, max([*records, *unreadable], default=-1) + 1])
     waited = _waited(records)
     missing = {
         group: [r for r, record in records.items() if _seq(record, group) < seq]
@@ -42,11 +84,14 @@ def describe(records: dict[int, Record], world_size: int | None = None) -> str:
     lines = []
     for rank in range(world_size):
         record = records.get(rank)
+        if rank in unreadable:
+            lines.append(f"  rank {rank}: no record: {unreadable[rank]}")
+            continue
         if record is None:
             lines.append(f"  rank {rank}: no record (dead, or not answering)")
             continue
         state = f"FAILED with {record['error']}" if record.get("error") else record["position"]
-        lines.append(f"  rank {rank}: {state}")
+        lines.append(f"  rank {rank} (at {clock(record['time'])}): {state}")
         lines.extend(f"    {line}" for line in _collectives(record, waited))
         lines.append(f"    at {_line(record['stack'])}")
     for group, (seq, name) in waited.items():

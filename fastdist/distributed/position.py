@@ -81,13 +81,14 @@ class PositionBoard:
         return ", ".join(parts) or "not started"
 
     def report(self) -> str:
-        """One block: this rank's position, the others' last known ones, the ranks missing.
+        """One block: this rank's position, the others' last known ones, the ranks missing;
+        each with the time it was taken.
 
         Every store read is bounded by :data:`STORE_WAIT_S`: a rank cut off from the store's
         host names the others as unreachable instead of waiting.
         """
         own = {k: v for k, v in self.fields.items() if k != "failed"}  # the headline says it
-        lines = [f"  rank {self.rank} (this rank): {self.describe(own)}"]
+        lines = [f"  rank {self.rank} (this rank): {self.describe(own)} (at {clock(time.time())})"]
         records, unreachable = self._gather(0.0)
         missing = []
         for rank in range(self.world_size):
@@ -103,8 +104,9 @@ class PositionBoard:
                 lines.append(f"  rank {rank}: no position published")
                 missing.append(rank)
             else:
-                age = time.time() - other.pop("time", time.time())
-                lines.append(f"  rank {rank}: {self.describe(other)} (published {age:.0f} s ago)")
+                published = other.pop("time", time.time())
+                age = f"published {time.time() - published:.0f} s ago, at {clock(published)}"
+                lines.append(f"  rank {rank}: {self.describe(other)} ({age})")
                 if any(other.get(k) != self.fields.get(k) for k in ("epoch", "step", "phase")):
                     missing.append(rank)
         if missing:
@@ -153,6 +155,12 @@ class PositionBoard:
         if not self.store.check([key]):
             return None
         return json.loads(self.store.get(key))
+
+
+def clock(seconds: float) -> str:
+    """The local time ``seconds`` (since the epoch) as ``14:03:07.2``: when a report's line was
+    taken, so that lines taken at different moments are not read as one."""
+    return time.strftime("%H:%M:%S", time.localtime(seconds)) + f".{int(seconds % 1 * 10)}"
 
 
 _calls: collections.Counter[str] = collections.Counter()  # this process's calls by name

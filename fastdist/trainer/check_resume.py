@@ -6,7 +6,8 @@ set, every ``DistTrainer`` of the script trains into ``DIR`` (its ``save_path``;
 ``checkpoint_dir`` is ignored) with a checkpoint every ``K`` updates and stops at update ``S``
 once that update's checkpoint is written; then each process ends before ``train()`` returns
 (the script's code after it does not run): with exit status 0, or with ``kill`` by ``SIGKILL``,
-as a killed job would.
+as a killed job would. A script that trains fewer updates ends there too, with exit status 0:
+the tool reads the updates it reached from its newest checkpoint.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def callbacks() -> list[Callback]:
 
 class _StopAt(Callback):
     """Stops training at update ``step`` (its checkpoint is due then) and ends the process
-    there: exit status 0, or ``SIGKILL`` if ``kill``."""
+    there: exit status 0, or ``SIGKILL`` if ``kill``; where training ended earlier, exit
+    status 0 (the tool names the updates reached)."""
 
     def __init__(self, step: int, kill: bool) -> None:
         self.step, self.kill = step, kill
@@ -57,10 +59,8 @@ class _StopAt(Callback):
             self.trainer.request_stop()  # agreed at that update's checkpoint
 
     def on_train_end(self) -> None:
-        if self.trainer.state.global_step != self.step:
-            return  # the script trains fewer updates: the tool says so
         logging.shutdown()  # flush the log
         sys.stdout.flush()
-        if self.kill:
+        if self.kill and self.trainer.state.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
         os._exit(0)

@@ -57,7 +57,7 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
                 silent,
             )
         if records:
-            logger.error("%s:\n%s", _dumps(), describe(records, board.world_size))
+            logger.error("%s:\n%s", _dumps(records), describe(records, board.world_size))
     else:
         logger.error("rank %d raised %s\n%s", board.rank, summary, board.report(), exc_info=exc)
     exc.fastdist_reported = True  # type: ignore[attr-defined]
@@ -72,12 +72,21 @@ def _silent(records: dict[int, dict[str, Any]], board: PositionBoard) -> list[in
     return [r for r in others if not records.get(r, {}).get("error")]
 
 
-def _dumps() -> str:
-    """The hang report's headline: where its files are."""
-    where, what = hang.dump_dir_in_use(), "each rank's collective and Python line"
+def _dumps(records: dict[int, dict[str, Any]]) -> str:
+    """The hang report's headline: when its records were taken, where their files are (or why
+    some could not be written: a read-only or full directory)."""
+    where = hang.dump_dir_in_use()
+    what = "each rank's collective and Python line as it answered, at the time on its line"
     if where is None:
         return f"{what} (no files: no save_path or ${hang.DIR_VAR})"
-    return f"{what} (files in {where}: python -m fastdist hang-report {where})"
+    failed = {r: record["dump_error"] for r, record in records.items() if record.get("dump_error")}
+    if failed and len(failed) == len(records):
+        return f"{what} (no files: they could not be written to {where}: {failed[min(failed)]})"
+    files = f"files in {where}: python -m fastdist hang-report {where}"
+    if failed:
+        ranks = sorted(failed)
+        files += f"; ranks {ranks} could not write theirs: {failed[ranks[0]]}"
+    return f"{what} ({files})"
 
 
 def _excepthook(

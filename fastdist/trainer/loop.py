@@ -221,12 +221,14 @@ class Loop:
         return self.sync()  # e.g. early stopping's request, agreed at once
 
     def _save_checkpoint(self) -> Agreement | None:
-        """Write a checkpoint (if checkpointing is on) of a model checked to be finite."""
+        """Write a checkpoint (if checkpointing is on) of a model checked to be finite; none
+        once a pre-emption is agreed: its checkpoint, of this same update, follows."""
         if self.run.checkpointer.dir is None:
             return None
         agreed = self.sync(check_model=True)
-        with self.timer.paused():
-            self.run.checkpointer.save(self.state.global_step)
+        if not agreed.preempted:
+            with self.timer.paused():
+                self.run.checkpointer.save(self.state.global_step)
         return agreed
 
     def fit(self, resume: bool | str | os.PathLike) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """A user's training script for ``python -m fastdist check-resume``: ``resume_script.py
-[--unresumable]``.
+[--unresumable] [--small]``.
 
-It trains a small MLP on fixed random data for 2 epochs. ``--unresumable`` adds a callback that
-nudges ``head.bias`` after every update by a number from Python's ``random``, seeded once per
-process and never saved: a resumed run draws the first numbers again, so it ends elsewhere.
+It trains a small MLP on fixed random data for 2 epochs (16 updates each; ``--small``: 2).
+``--unresumable`` adds a callback that nudges ``head.bias`` after every update by a number from
+Python's ``random``, seeded once per process and never saved: a resumed run draws the first
+numbers again, so it ends elsewhere.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class Net(nn.Module):
 
 def main() -> None:
     fastdist.set_seed(1)
-    x = torch.randn(128, 8, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(
+        16 if "--small" in sys.argv else 128, 8, generator=torch.Generator().manual_seed(0)
+    )
     model = Net()
     trainer = DistTrainer(
         TensorDataset(x, x.sum(dim=1, keepdim=True)),
