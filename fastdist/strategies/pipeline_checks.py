@@ -187,8 +187,7 @@ def stage_shares(
 ) -> list[MemoryShare]:
     """Each of the ``ranks`` ranks of a pipeline (stage ``s`` on rank ``s % ranks``): its
     parameters trained (the rest of the model held whole), its blocks run, and the
-    micro-batches whose activations it holds at once (GPipe: all of an update's; 1F1B:
-    ``ranks - rank`` on rank ``rank``; interleaved, roughly as 1F1B)."""
+    micro-batches whose activations it holds at once (:func:`kept_micro_batches`)."""
     names = [name for name, _ in model.named_parameters()]
     return [
         MemoryShare(
@@ -197,7 +196,24 @@ def stage_shares(
             blocks=tuple(b for s in range(rank, len(plan.blocks), ranks) for b in plan.blocks[s]),
             first=rank == 0,
             last=rank == ranks - 1,
-            kept=update_every if schedule == "gpipe" else min(ranks - rank, update_every),
+            kept=kept_micro_batches(schedule, update_every, ranks, len(plan.blocks), rank),
         )
         for rank in range(ranks)
     ]
+
+
+def kept_micro_batches(schedule: str, n: int, ranks: int, stages: int, rank: int) -> float:
+    """How many micro-batches' activations (of all its stages) rank ``rank`` holds at once in
+    an update of ``n``, as torch's schedule orders them: GPipe (and looped GPipe) all ``n``;
+    1F1B ``ranks - rank``; interleaved 1F1B its warm-up forwards plus one, each of one of its
+    ``stages / ranks`` stages (torch's ``_get_warmup_ops``): more than 1F1B, for a smaller
+    bubble."""
+    per_rank = stages // ranks
+    kind = schedule_class(schedule, n, ranks, per_rank)
+    if kind in (SCHEDULES["gpipe"], SCHEDULES["looped-gpipe"]):
+        return n
+    if per_rank == 1:
+        return min(ranks - rank, n)
+    per_round = n // max(1, n // ranks)
+    warmup = min((per_rank - 1) * per_round + 2 * (ranks - 1 - rank), n * per_rank)
+    return min(warmup + 1, n * per_rank) / per_rank
