@@ -70,6 +70,15 @@ def test_pipeline_stages_split_the_trained_states() -> None:
     assert all(
         a.activations > b.activations for a, b in zip(looped.stages, pipe.stages, strict=True)
     )
+    # Tensor-parallel stages (pp=2 x tp=2 at 4 ranks): each stage's planned layers split in 2.
+    tensor = Pipeline(stages=2, stage_strategy=FSDP(tp=2, tp_plan=given["tp_plan"]))
+    split = estimate_memory(*parts, tensor, 4, loss=given["loss"], update_every=4)
+    assert [s.strategy for s in split.stages] == [f"Pipeline(tp=2) stage {r}" for r in (0, 1)]
+    assert all(
+        a.activations < b.activations for a, b in zip(split.stages, pipe.stages, strict=True)
+    )
+    assert split.stages[0].gradients == pytest.approx(first.gradients / 2, rel=0.01)
+    assert split.parameters > plain.parameters / 2  # the other stage's layers held whole
     with pytest.raises(ValueError, match="update_every=1 < stages=2: raise update_every to 2"):
         estimate_memory(*parts, Pipeline(stages=2), 2, loss=given["loss"])  # as the trainer
 

@@ -250,7 +250,7 @@ def _shards(
         style = styles.get(owner)
         shape = list(param.shape)
         dim = None if style is None else split_dim(model.get_submodule(owner), attr, style)
-        if dim is not None:
+        if dim is not None and name in trains:  # a pipeline's other stages: whole
             shape[dim] //= tp
         local = math.prod(shape)
         if shape and shards > 1 and name in trains:

@@ -124,6 +124,7 @@ class Pipeline(Strategy):
         self.stages, self.schedule = stages, schedule
         self.split = None if split is None else list(split)
         self.stage_strategy = stage_strategy
+        self.tp_plan = getattr(stage_strategy, "tp_plan", None)  # what the estimate splits
 
     def degrees(self, world_size: int) -> dict[str, int]:
         """``pp x dp_replicate`` (``pp x dp_shard [x tp]`` with FSDP stages): ``stages`` ranks
