@@ -1,5 +1,6 @@
-"""``Pipeline`` (pipeline stages, each replicated with DDP): bad input refused in process, and
-real worlds of 1, 2 and 4 ranks (tests/workers/pipeline_worker.py) that must reach one
+"""``Pipeline`` (pipeline stages, each replicated with DDP, sharded with FSDP, or split with
+tensor parallelism and sharded): bad input refused in process, and real worlds of 1, 2 and 4
+ranks (8 in the long tier; tests/workers/pipeline_worker.py) that must reach one
 process's parameters (float64, AdamW, gradient clipping, a ``(sum, count)`` token loss on
 sequences of uneven lengths, update_every=4), evaluate and predict as it does, save a model
 that loads strictly into the plain one, resume exactly after a rank dies, and write
