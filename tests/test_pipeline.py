@@ -60,6 +60,12 @@ class Flat(nn.Module):
         self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
 
 
+def three_blocks() -> Tagger:
+    model = Tagger()
+    del model.blocks[3]
+    return model
+
+
 class Mixed(Tagger):
     """Blocks of two classes."""
 
@@ -106,7 +112,15 @@ class Mixed(Tagger):
         (lambda: plan_stages(Tagger(), 2, ["blocks.9"]), "names ['blocks.9'], which Tagger"),
         (lambda: plan_stages(Tagger(), 2, ["inp"]), "must name blocks of one nn.ModuleList"),
         (lambda: plan_stages(Tagger(), 2, ["blocks.0"]), "blocks: blocks: blocks.0 ... blocks.3"),
-        (lambda: plan_stages(Tagger(), 5, None), "needs at least 5 blocks"),
+        (
+            lambda: plan_stages(Tagger(), 5, None),
+            "need at least 5 blocks, but Tagger's blocks holds 4: use Pipeline(stages=4) (or "
+            "Pipeline(stages=2, schedule='interleaved-1f1b')) or fewer stages",
+        ),
+        (
+            lambda: checked(Pipeline(stages=2, schedule="interleaved-1f1b"), three_blocks()),
+            "use Pipeline(stages=3) or fewer stages",
+        ),
         (lambda: plan_stages(Flat(), 2, None), "put its layers in an nn.ModuleList"),
         (
             lambda: plan_stages(Mixed(), 2, None),

@@ -138,9 +138,12 @@ def plan_stages(model: nn.Module, stages: int, split: list[str] | None) -> Stage
             )
         container, blocks = max(found, key=lambda item: len(item[1]))
         if len(blocks) < stages:
+            n = len(blocks)
+            looped = f" (or Pipeline(stages={n // 2}, schedule='interleaved-1f1b'))" * (n >= 4)
+            fits = f"use Pipeline(stages={n}){looped} or fewer stages" if n >= 2 else "none fits"
             raise ValueError(
-                f"Pipeline(stages={stages}) needs at least {stages} blocks, but {cls}'s "
-                f"{container} holds {len(blocks)}: use fewer stages"
+                f"{stages} pipeline stages (2 per rank under interleaved 1F1B) need at least "
+                f"{stages} blocks, but {cls}'s {container} holds {n}: {fits}"
             )
         per, extra = divmod(len(blocks), stages)
         bounds = [s * per + min(s, extra) for s in range(stages + 1)]
