@@ -10,7 +10,8 @@ Run from the repository root::
     python benchmarks/pipeline.py [--rounds 5] [--steps 8]
 
 One torchrun job times both loops, each on a fresh model, the order flipping every round;
-a second measures the memory.
+a second measures the memory. The load average is printed before and after; above half the
+cores before the jobs start, the timings are flagged as no result.
 """
 
 from __future__ import annotations
@@ -182,10 +183,13 @@ def main() -> None:
     args = parser.parse_args()
     script = os.path.abspath(__file__)
     params = sum(p.numel() for p in Model().parameters())
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
     print(
         f"model: {params / 1e6:.1f}M parameters, AdamW, 2 ranks (gloo), {MICRO} micro-batches "
-        f"of {BATCH} per update, 1F1B; load average {os.getloadavg()[0]:.2f}"
+        f"of {BATCH} per update, 1F1B; load average {load:.2f} on {cores} cores"
     )
+    if load > cores / 2:  # before our own processes: other work competes for the cores
+        print("the machine is loaded: these timings are not a result; rerun on an idle one")
     env = child_env(
         {"BENCH_MODE": "speed", "BENCH_ROUNDS": str(args.rounds), "BENCH_STEPS": str(args.steps)}
     )

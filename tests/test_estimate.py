@@ -16,6 +16,7 @@ from fastdist.cli import main
 from fastdist.estimate import parse_bytes
 from fastdist.strategies import FSDP, Pipeline
 from fastdist.strategies.blocks import find_blocks
+from fastdist.strategies.pipeline_checks import kept_micro_batches
 
 WORKER = Path(__file__).resolve().parent / "workers" / "estimate_worker.py"
 SETUP = f"{WORKER}:setup"
@@ -59,6 +60,27 @@ def test_pipeline_stages_split_the_trained_states() -> None:
     assert pipe.peak == max(first.peak, last.peak) < plain.peak
     budget = parse_bytes("1GB")
     assert pipe.max_batch_size(budget) == min(s.max_batch_size(budget) for s in pipe.stages)
+    # Interleaved 1F1B (4 stages, 2 per rank): rank 0 runs 4 warm-up forwards of half its
+    # blocks before its first backward, then one more (2.5 micro-batches against 1F1B's 2);
+    # rank 1 1.5 against 1.
+    inter = Pipeline(stages=2, schedule="interleaved-1f1b")
+    assert [kept_micro_batches(inter.schedule, 4, 2, 4, rank) for rank in (0, 1)] == [2.5, 1.5]
+    looped = estimate_memory(*parts, inter, 2, loss=given["loss"], update_every=4)
+    assert [s.strategy for s in looped.stages] == [f"{inter!r} pp rank {r}" for r in (0, 1)]
+    assert all(
+        a.activations > b.activations for a, b in zip(looped.stages, pipe.stages, strict=True)
+    )
+    # Tensor-parallel stages (pp=2 x tp=2 at 4 ranks): each stage's planned layers split in 2.
+    tensor = Pipeline(stages=2, stage_strategy=FSDP(tp=2, tp_plan=given["tp_plan"]))
+    split = estimate_memory(*parts, tensor, 4, loss=given["loss"], update_every=4)
+    assert [s.strategy for s in split.stages] == [f"Pipeline(tp=2) stage {r}" for r in (0, 1)]
+    assert all(
+        a.activations < b.activations for a, b in zip(split.stages, pipe.stages, strict=True)
+    )
+    assert split.stages[0].gradients == pytest.approx(first.gradients / 2, rel=0.01)
+    assert split.parameters > plain.parameters / 2  # the other stage's layers held whole
+    with pytest.raises(ValueError, match="update_every=1 < stages=2: raise update_every to 2"):
+        estimate_memory(*parts, Pipeline(stages=2), 2, loss=given["loss"])  # as the trainer
 
 
 def test_checkpointing_lowers_the_activations() -> None:
@@ -116,6 +138,11 @@ def test_command_reports_bad_input(capsys: pytest.CaptureFixture) -> None:
     assert "not a multiple of tp=2" in capsys.readouterr().err
     assert main(["estimate", SETUP, "--world-size", "3", "--pp", "2"]) == 1
     assert "not a multiple of 2" in capsys.readouterr().err
+    # The layouts the trainer refuses: 1F1B with fewer micro-batches than stages; one stage.
+    assert main(["estimate", SETUP, "--world-size", "2", "--pp", "2"]) == 1
+    assert "or use Pipeline(stages=2, schedule='gpipe')" in capsys.readouterr().err
+    assert main(["estimate", SETUP, "--pp", "1"]) == 1
+    assert "--pp 1 is no pipeline (Pipeline needs 2 or more stages)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

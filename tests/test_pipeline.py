@@ -1,5 +1,6 @@
-"""``Pipeline`` (pipeline stages, each replicated with DDP): bad input refused in process, and
-real worlds of 1, 2 and 4 ranks (tests/workers/pipeline_worker.py) that must reach one
+"""``Pipeline`` (pipeline stages, each replicated with DDP, sharded with FSDP, or split with
+tensor parallelism and sharded): bad input refused in process, and real worlds of 1, 2 and 4
+ranks (8 in the long tier; tests/workers/pipeline_worker.py) that must reach one
 process's parameters (float64, AdamW, gradient clipping, a ``(sum, count)`` token loss on
 sequences of uneven lengths, update_every=4), evaluate and predict as it does, save a model
 that loads strictly into the plain one, resume exactly after a rank dies, and write
@@ -17,6 +18,7 @@ from launch import Launch, free_port, run_ranks, run_together, torchrun_command
 from torch import nn
 from workers.pipeline_worker import (
     N_TRAIN,
+    TP_PLAN,
     WIDTH,
     HeadFirst,
     OutsideResidual,
@@ -30,6 +32,7 @@ from workers.pipeline_worker import (
 
 from fastdist import DDP, FSDP, DistTrainer, Pipeline
 from fastdist.cli import main
+from fastdist.strategies.pipeline_checks import stage_tp_plans
 from fastdist.strategies.stage_check import check_cut, check_gradients
 from fastdist.strategies.stages import plan_stages
 
@@ -57,6 +60,20 @@ class Flat(nn.Module):
         self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
 
 
+def three_blocks() -> Tagger:
+    model = Tagger()
+    del model.blocks[3]
+    return model
+
+
+class Mixed(Tagger):
+    """Blocks of two classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[3] = nn.Linear(WIDTH, WIDTH, dtype=torch.float64)
+
+
 @pytest.mark.parametrize(
     "make, words",
     [
@@ -70,19 +87,45 @@ class Flat(nn.Module):
             lambda: Pipeline(stages=3, split=["blocks.2"]),
             "2 name(s) for stages=3 (1 per rank), got 1",
         ),
-        (lambda: Pipeline(stage_strategy=FSDP(replicate=2)), "tensor parallelism, HSDP, CPU"),
+        (lambda: Pipeline(stage_strategy=FSDP(replicate=2)), "HSDP (replicate), CPU offload"),
+        (lambda: Pipeline(stage_strategy=FSDP(tp=2, tp_plan=lambda m, mesh: None)), "function"),
+        (
+            lambda: stage_tp_plans(Tagger(), {"blocks": "colwise"}, plan_stages(Tagger(), 2, None)),
+            "tp_plan names blocks, whose parameters lie in pipeline stages [0, 1]",
+        ),
+        (
+            lambda: Pipeline(stage_strategy=FSDP(tp=2, tp_plan=TP_PLAN)).degrees(6),
+            "not a multiple of 4: launch a multiple of 4 processes, or pick stages dividing 6: "
+            "Pipeline(stages=3, stage_strategy=FSDP(tp=2, ...)) fits 6",
+        ),
         (lambda: checked(Pipeline(stage_strategy=FSDP()), Loose()), "['scale'] belong to none"),
         (lambda: Pipeline(stage_strategy=FSDP(wrap=[nn.Linear])), "FSDP's wrap (a stage shards"),
         (lambda: Pipeline(stage_strategy=DDP(comm_hook="fp16")), "stage_strategy must be DDP()"),
-        (lambda: Pipeline(stages=3).degrees(4), "not a multiple of 3: launch a multiple of 3"),
-        (lambda: Pipeline().check_window(1), "update_every=1 < stages=2: raise update_every"),
+        (
+            lambda: Pipeline(stages=3).degrees(4),
+            "not a multiple of 3: launch a multiple of 3 processes, or pick stages dividing 4: "
+            "Pipeline(stages=2) or Pipeline(stages=4) fit 4",
+        ),
+        (lambda: Pipeline().check_window(1), "or use Pipeline(stages=2, schedule='gpipe')"),
         (lambda: Pipeline().check_batches([[4] * 7 + [2]], 4), "of [4, 4, 4, 2] samples"),
         (lambda: Pipeline().check_batches([[4, 4, 3], [4, 4]], 3), "batch_size_per_gpu dividing"),
         (lambda: plan_stages(Tagger(), 2, ["blocks.9"]), "names ['blocks.9'], which Tagger"),
         (lambda: plan_stages(Tagger(), 2, ["inp"]), "must name blocks of one nn.ModuleList"),
         (lambda: plan_stages(Tagger(), 2, ["blocks.0"]), "blocks: blocks: blocks.0 ... blocks.3"),
-        (lambda: plan_stages(Tagger(), 5, None), "needs at least 5 blocks"),
+        (
+            lambda: plan_stages(Tagger(), 5, None),
+            "need at least 5 blocks, but Tagger's blocks holds 4: use Pipeline(stages=4) (or "
+            "Pipeline(stages=2, schedule='interleaved-1f1b')) or fewer stages",
+        ),
+        (
+            lambda: checked(Pipeline(stages=2, schedule="interleaved-1f1b"), three_blocks()),
+            "use Pipeline(stages=3) or fewer stages",
+        ),
         (lambda: plan_stages(Flat(), 2, None), "put its layers in an nn.ModuleList"),
+        (
+            lambda: plan_stages(Mixed(), 2, None),
+            "Mixed's blocks holds blocks of 2 classes (Block, Linear): pass split=['blocks.2']",
+        ),
     ],
 )
 def test_bad_pipelines_are_refused(make: Any, words: str) -> None:
@@ -101,7 +144,9 @@ def test_trainer_refuses_before_any_process_group() -> None:
 
     with pytest.raises(ValueError, match="schedule='1f1b' needs at least as many micro-batch"):
         trainer(strategy=Pipeline(stages=2), update_every=1)
-    with pytest.raises(ValueError, match=r"Pipeline\(stages=2\) runs one stage per rank"):
+    with pytest.raises(
+        ValueError, match=r"Pipeline\(stages=2, schedule='gpipe'\) runs one stage per rank"
+    ):
         trainer(strategy=Pipeline(stages=2, schedule="gpipe"))
 
 
@@ -129,6 +174,15 @@ def test_even_split_and_owners() -> None:
     assert [nested.owner(n) for n in (*names, "lm_head.weight")] == [0, 0, 1, 1]
     with pytest.raises(ValueError, match="held by two pipeline stages: tied weights"):
         plan_stages(Nested(tied=True), 2, None)
+    mixed = plan_stages(Mixed(), 2, ["blocks.2"])  # named, blocks of several classes cut
+    assert mixed.blocks == [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]]
+    degrees = Pipeline(stage_strategy=FSDP(tp=2, tp_plan=TP_PLAN)).degrees(4)
+    assert degrees == {"pp": 2, "dp_shard": 1, "tp": 2}
+    plans = stage_tp_plans(Tagger(), TP_PLAN, plan_stages(Tagger(), 2, None))
+    assert [sorted(p) for p in plans] == [
+        ["blocks.0.fc", "blocks.1.fc", "inp"],
+        ["blocks.2.fc", "blocks.3.fc"],
+    ]
 
 
 def test_a_model_is_cut_only_where_its_stages_compute_its_output() -> None:
@@ -272,8 +326,8 @@ def test_two_stages_by_two_replicas(
     assert_like_one_process(ranks[0]["uneven"], one["uneven"])  # with a filler micro-batch
     # Their checkpoint of update 3 (DCP shards, as FSDP's) resumed by FSDP() at 2 ranks, and
     # exported offline: the whole model, every stage's shards, loading strictly.
-    assert pp2[0]["fsdp_from_pp"]["start_step"] == 3
-    assert_like_one_process(pp2[0]["fsdp_from_pp"], one["plain"])
+    assert pp2[0]["fsdp_from_pp_fsdp"]["start_step"] == 3
+    assert_like_one_process(pp2[0]["fsdp_from_pp_fsdp"], one["plain"])
     step3 = out / "pp4" / "pp_fsdp" / "save" / "checkpoints" / "step-00000003"
     assert main(["export", str(step3), str(out / "pp_fsdp.pt")]) == 0
     Tagger().load_state_dict(torch.load(out / "pp_fsdp.pt", weights_only=True))
@@ -291,3 +345,29 @@ def test_killed_pipeline_resumes_exactly(one: dict[str, Any], out: Path) -> None
     run = json.loads((out / "resume" / "rank0.json").read_text())["resumed"]
     assert run["start_step"] == 4
     assert_like_one_process(run, one["plain"])
+
+
+@pytest.mark.slow
+def test_tensor_parallel_stages(
+    one: dict[str, Any], pp4: list[dict[str, Any]], pp2: list[dict[str, Any]]
+) -> None:
+    """Pipeline(stages=2, stage_strategy=FSDP(tp=2)) at 4 ranks (pp=2 x tp=2: each stage's
+    planned layers split over its 2 ranks, FSDP over a dp_shard of one; one data shard, so
+    4 micro-batches per update) reaches one process's parameters, and keeps its best model
+    (loaded into the split stages at the end); FSDP() at 2 ranks resumes its checkpoint of
+    update 3 (DCP shards of the tensor-parallel stages), as one process would."""
+    run = pp4[0]["pp_tp"]
+    assert_like_one_process(run, one["plain"], best=True)
+    assert {r["pp_tp"]["eval"]["loss"] for r in pp4} == {run["eval"]["loss"]}
+    assert pp2[0]["fsdp_from_pp_tp"]["start_step"] == 3
+    assert_like_one_process(pp2[0]["fsdp_from_pp_tp"], one["plain"])
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_tensor_parallel_stages_with_shards(one: dict[str, Any], out: Path) -> None:
+    """pp=2 x dp_shard=2 x tp=2 at 8 ranks (the long tier: 29 s here under load) reaches one
+    process's parameters."""
+    _, ranks = run_ranks(WORKER, 8, ["pp8", str(out)], out / "pp8", True, cwd=out, timeout=900)
+    assert_like_one_process(ranks[0]["pp_dp_tp"], one["plain"])
+    assert {r["pp_dp_tp"]["eval"]["loss"] for r in ranks} == {ranks[0]["pp_dp_tp"]["eval"]["loss"]}

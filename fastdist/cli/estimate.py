@@ -39,7 +39,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--world-size", type=int, default=1, help="processes (default: 1)")
     parser.add_argument("--tp", type=int, default=1, help="add FSDP(tp=TP) (default: 1: none)")
     parser.add_argument(
-        "--pp", type=int, default=1, help="add Pipeline(stages=PP), one column per stage"
+        "--pp", type=int, default=None, help="add Pipeline(stages=PP >= 2), a column per stage"
     )
     parser.add_argument("--update-every", type=int, default=1, help="as DistTrainer's")
     parser.add_argument(
@@ -55,8 +55,13 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the table; return 0, or 1 with a message on stderr."""
     try:
-        for option in ("world_size", "tp", "pp", "update_every"):
+        for option in ("world_size", "tp", "update_every"):
             check_int("--" + option.replace("_", "-"), getattr(args, option), minimum=1)
+        if args.pp is not None and args.pp < 2:
+            raise ValueError(
+                f"--pp {args.pp} is no pipeline (Pipeline needs 2 or more stages): pass "
+                "--pp 2 or more for a column per stage, or drop --pp"
+            )
         budget = None if args.memory is None else parse_bytes(args.memory)
         if budget == 0:
             raise ValueError("--memory must be more than 0 bytes, e.g. --memory 80GB")
@@ -65,10 +70,11 @@ def run(args: argparse.Namespace) -> int:
         strategies: list[Strategy] = [DDP(), FSDP()]
         if args.tp > 1:
             strategies.append(FSDP(tp=args.tp, tp_plan=setup.get("tp_plan")))
-        if args.pp > 1:
+        if args.pp is not None:
             strategies.append(Pipeline(stages=args.pp))
-        for strategy in strategies:  # a world that does not fit: refused before measuring
+        for strategy in strategies:  # a layout the trainer refuses: refused before measuring
             strategy.degrees(args.world_size)
+            strategy.check_window(args.update_every)
         estimates = [
             estimate_memory(
                 setup["model"],

@@ -134,6 +134,7 @@ def estimate_memory(
     check_int("update_every", update_every, minimum=1)
     check_choice("amp", amp, tuple(_AMP))
     strategy = resolve_strategy(strategy)
+    strategy.check_window(update_every)  # as the trainer refuses it
     layout = Topology(strategy.degrees(world_size), 0, world_size)  # rank 0's view of it
     tp = layout.size("tp")
     styles = _plan(model, strategy, tp)
@@ -188,7 +189,7 @@ def _estimate(setting: _Setting, share: MemoryShare, period: int) -> MemoryEstim
         index = [every.index(b) for b in share.blocks if b in every]
         activations = activations.part(index, share.first, share.last)
     kept = activations.backward_start(period, casts=not sharded)
-    kept += (share.kept - 1) * activations.kept(period, casts=not sharded)
+    kept += round((share.kept - 1) * activations.kept(period, casts=not sharded))
     label = repr(strategy) if tp == 1 else f"{type(strategy).__name__}(tp={tp})"
     return MemoryEstimate(
         strategy=f"{label} {share.label}".rstrip(),
@@ -249,7 +250,7 @@ def _shards(
         style = styles.get(owner)
         shape = list(param.shape)
         dim = None if style is None else split_dim(model.get_submodule(owner), attr, style)
-        if dim is not None:
+        if dim is not None and name in trains:  # a pipeline's other stages: whole
             shape[dim] //= tp
         local = math.prod(shape)
         if shape and shards > 1 and name in trains:

@@ -74,7 +74,8 @@ class MemoryShare:
             all); the others they hold whole and unsharded.
         blocks: the blocks whose forward they run (``None``: all), with what runs before
             the blocks (``first``) and after them (``last``).
-        kept: how many micro-batches' activations they hold at once.
+        kept: how many micro-batches' activations they hold at once (a fraction: some of
+            their blocks' only).
     """
 
     label: str = ""
@@ -82,7 +83,7 @@ class MemoryShare:
     blocks: tuple[str, ...] | None = None
     first: bool = True
     last: bool = True
-    kept: int = 1
+    kept: float = 1
 
 
 class Strategy:

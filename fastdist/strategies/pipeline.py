@@ -1,13 +1,12 @@
 """Pipeline: the model cut into stages over ``pp`` ranks, each stage replicated with DDP over
-``dp_replicate`` or sharded with FSDP over ``dp_shard``; torch's ``PipelineStage`` and
-schedules run each update.
+``dp_replicate`` or sharded with FSDP over ``dp_shard`` (its layers split over ``tp`` too);
+torch's ``PipelineStage`` and schedules run each update.
 
-Each rank runs one stage (:mod:`~fastdist.strategies.stages`; two under
-``"interleaved-1f1b"``); the ranks of one pipeline see
-the same micro-batches, the loss is computed on the last stage. The whole model stays on
-every rank (its own stage's modules sharded under FSDP), only its own stage trained there:
-evaluation, prediction, the best model and ``save_model`` first bring every stage's
-parameters to every rank of the pipeline.
+Each rank runs one stage (:mod:`~fastdist.strategies.stages`; two under interleaved 1F1B);
+the ranks of one pipeline see the same micro-batches, the loss is computed on the last stage.
+The whole model stays on every rank (its own stage's modules sharded under FSDP), only its
+own stage trained there: evaluation, prediction, the best model and ``save_model`` first
+bring every stage's parameters to every rank of the pipeline.
 """
 
 from __future__ import annotations
@@ -32,9 +31,13 @@ from fastdist.strategies.pipeline_checks import (
     LOOPED,
     check_one_shape,
     check_setup_options,
+    check_shardable,
     check_stage_strategy,
+    check_window,
+    pipeline_degrees,
     schedule_class,
     stage_shares,
+    stage_tp_plans,
 )
 from fastdist.strategies.pipeline_state import (
     StageOptimizerShards,
@@ -66,7 +69,9 @@ class Pipeline(Strategy):
             one ``nn.ModuleList``/``nn.ModuleDict``; ``None``: that list's blocks split evenly.
         stage_strategy: how each stage is replicated: ``DDP()`` (the default, ``None``) over
             ``dp_replicate``, or ``FSDP()`` over ``dp_shard``: each of the stage's blocks and
-            the modules around them sharded on its own, in the model itself.
+            the modules around them sharded on its own, in the model itself; ``FSDP(tp=N,
+            tp_plan={...})`` first splits the stage's planned layers over ``N`` ranks (a
+            ``pp x dp_shard x tp`` mesh; the plan names modules, each within one stage).
 
     An update's ``update_every`` micro-batches are the schedule's micro-batches; their losses
     keep the trainer's weights (a ``(sum, count)`` loss divided by the update's count), the
@@ -87,6 +92,9 @@ class Pipeline(Strategy):
         {'pp': 2, 'dp_replicate': 2}
         >>> Pipeline(stages=2, stage_strategy=FSDP()).degrees(4)  # each stage over 2 ranks
         {'pp': 2, 'dp_shard': 2}
+        >>> plan = {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
+        >>> Pipeline(stages=2, stage_strategy=FSDP(tp=2, tp_plan=plan)).degrees(8)
+        {'pp': 2, 'dp_shard': 2, 'tp': 2}
     """
 
     #: A stage waits for the others' activations and gradients within its compute.
@@ -116,18 +124,12 @@ class Pipeline(Strategy):
         self.stages, self.schedule = stages, schedule
         self.split = None if split is None else list(split)
         self.stage_strategy = stage_strategy
+        self.tp_plan = getattr(stage_strategy, "tp_plan", None)  # what the estimate splits
 
     def degrees(self, world_size: int) -> dict[str, int]:
-        """``pp x dp_replicate`` (``pp x dp_shard`` with FSDP stages): ``stages`` ranks per
-        pipeline, the rest its replicas."""
-        if world_size % self.stages:
-            raise ValueError(
-                f"Pipeline(stages={self.stages}) runs one stage per rank, but the world has "
-                f"{world_size} process(es), not a multiple of {self.stages}: launch a multiple "
-                f"of {self.stages} processes, or pick stages dividing {world_size}"
-            )
-        data = "dp_shard" if isinstance(self.stage_strategy, FSDP) else "dp_replicate"
-        return {"pp": self.stages, data: world_size // self.stages}
+        """``pp x dp_replicate`` (``pp x dp_shard [x tp]`` with FSDP stages): ``stages`` ranks
+        (groups of ``tp``) per pipeline, the rest its replicas or shards."""
+        return pipeline_degrees(world_size, self.stages, self.schedule, self.stage_strategy)
 
     def check(
         self,
@@ -138,28 +140,20 @@ class Pipeline(Strategy):
     ) -> None:
         plan = plan_stages(model, self.cuts, self.split)
         if isinstance(self.stage_strategy, FSDP):
-            self.stage_strategy.check(model, optimizer, device, None)  # a fresh optimizer
-            units = [unit for index in range(self.cuts) for unit in plan.units(index)]
-            loose = [n for n, _ in model.named_parameters() if not n.startswith(tuple(units))]
-            if loose:
-                raise ValueError(
-                    f"FSDP stages shard the blocks and the modules around them, but {loose} "
-                    "belong to none: hold them in a submodule (e.g. an nn.Embedding)"
-                )
+            check_shardable(model, plan)
         if amp == "fp16":
             raise ValueError(
                 "amp='fp16' under Pipeline: the gradient scaler would skip an update on one "
                 "stage only; use amp='bf16'"
             )
         self.degrees(get_world_size())
+        if isinstance(self.stage_strategy, FSDP):
+            self.stage_strategy.check(model, optimizer, device, None)  # a fresh optimizer
+            if self.stage_strategy.tp > 1:
+                stage_tp_plans(model, self.stage_strategy.tp_plan, plan)
 
     def check_window(self, update_every: int) -> None:
-        if self.schedule != "gpipe" and update_every < self.stages:
-            raise ValueError(
-                f"schedule={self.schedule!r} needs at least as many micro-batches per update "
-                f"as stages, but update_every={update_every} < stages={self.stages}: raise "
-                f"update_every to {self.stages}, or use schedule='gpipe'"
-            )
+        check_window(self.stages, self.schedule, self.stage_strategy, update_every)
 
     def memory_shares(self, model: nn.Module, update_every: int) -> list[MemoryShare]:
         """Each stage's share (:func:`~fastdist.strategies.pipeline_checks.stage_shares`)."""
@@ -215,11 +209,19 @@ class Pipeline(Strategy):
         return optimizer
 
     def _shard(self, options: FSDP, amp: str | None) -> None:
-        """``fully_shard`` each module of this stage on its own (no root wrapper: the model
+        """Split this stage's planned layers over ``tp`` (``tp > 1``), then ``fully_shard``
+        each module of the stage on its own over ``dp_shard`` (no root wrapper: the model
         stays as it is, whole for evaluation); the optimizer pointed at the new parameters."""
         from torch.distributed.fsdp import fully_shard
 
         old_names = {id(p): name for name, p in self.model.named_parameters()}
+        if options.tp > 1:
+            from fastdist.strategies.tensor_parallel import apply_plan
+
+            plans = stage_tp_plans(self.model, options.tp_plan, self.plan)
+            own = {name: style for index in self.local for name, style in plans[index].items()}
+            if own:
+                apply_plan(self.model, own, self.topology.mesh("tp"))
         keywords = options.shard_options(self.topology.mesh("dp_shard"), amp)
         for unit in (unit for index in self.local for unit in self.plan.units(index)):
             module = self.model.get_submodule(unit)

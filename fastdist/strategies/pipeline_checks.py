@@ -37,6 +37,68 @@ def schedule_class(schedule: str, n: int, ranks: int, per_rank: int) -> str:
     return SCHEDULES[schedule]
 
 
+def spelled(stages: int, schedule: str, stage_strategy: Any) -> str:
+    """``Pipeline(...)`` as a user writes it with these options (the stage strategy's own
+    options shortened to its ``tp``)."""
+    parts = [f"stages={stages}"]
+    if schedule != "1f1b":
+        parts.append(f"schedule={schedule!r}")
+    if stage_strategy is not None:
+        tp = getattr(stage_strategy, "tp", 1)
+        inner = f"tp={tp}, ..." if tp > 1 else ""
+        parts.append(f"stage_strategy={type(stage_strategy).__name__}({inner})")
+    return f"Pipeline({', '.join(parts)})"
+
+
+def pipeline_degrees(
+    world_size: int, stages: int, schedule: str, stage_strategy: Any
+) -> dict[str, int]:
+    """``pp x dp_replicate`` (DDP stages), ``pp x dp_shard [x tp]`` (FSDP stages) of
+    ``world_size`` ranks; raise a ``ValueError`` naming the spellings that fit if it does
+    not divide."""
+    tp = stage_strategy.tp if isinstance(stage_strategy, FSDP) else 1
+    per = stages * tp
+    if world_size % per:
+        fit = [
+            spelled(n, schedule, stage_strategy)
+            for n in range(2, world_size // tp + 1)
+            if world_size % (n * tp) == 0
+        ][:3]
+        fits = (
+            f", or pick stages dividing {world_size}: {' or '.join(fit)} "
+            f"fit{'s' if len(fit) == 1 else ''} {world_size}"
+            if fit
+            else f"; no Pipeline fits {world_size} process(es) (it needs {2 * tp} or more): "
+            "use DDP() or FSDP() there"
+        )
+        given = spelled(stages, schedule, stage_strategy)
+        what = (
+            f"runs one stage per rank, but the world has {world_size} process(es), not a "
+            f"multiple of {stages}: launch a multiple of {stages} processes"
+            if tp == 1
+            else f"runs each stage on {tp} tensor-parallel ranks, {per} ranks per pipeline, "
+            f"but the world has {world_size} process(es), not a multiple of {per}: launch a "
+            f"multiple of {per} processes"
+        )
+        raise ValueError(f"{given} {what}{fits}")
+    if not isinstance(stage_strategy, FSDP):
+        return {"pp": stages, "dp_replicate": world_size // per}
+    degrees = {"pp": stages, "dp_shard": world_size // per}
+    return degrees | ({"tp": tp} if tp > 1 else {})
+
+
+def check_window(stages: int, schedule: str, stage_strategy: Any, update_every: int) -> None:
+    """Refuse updates of ``update_every`` micro-batches that the schedule cannot run (the
+    trainer's and the memory estimate's check)."""
+    if schedule != "gpipe" and update_every < stages:
+        gpipe = spelled(stages, "gpipe", stage_strategy)
+        raise ValueError(
+            f"schedule={schedule!r} needs at least as many micro-batches per update as "
+            f"stages, but update_every={update_every} < stages={stages}: raise update_every "
+            f"to {stages}, or use {gpipe}"
+        )
+
+
 def check_setup_options(compile: bool, checkpointing: int) -> None:
     """Refuse the trainer's options a pipeline does not take yet, by name."""
     if compile:
@@ -51,16 +113,53 @@ def check_setup_options(compile: bool, checkpointing: int) -> None:
 def check_stage_strategy(strategy: Any) -> None:
     """Raise unless ``strategy`` is one a stage can run under (``None``: DDP())."""
     plain = type(strategy) is DDP and not strategy.comm_hook and not strategy.average_every
-    sharded = type(strategy) is FSDP and strategy.tp == strategy.replicate == 1
+    sharded = type(strategy) is FSDP and strategy.replicate == 1 and not callable(strategy.tp_plan)
     if strategy is None or plain or (sharded and not strategy.cpu_offload and not strategy.wrap):
         return
     raise ValueError(
         f"stage_strategy must be DDP() (optionally with bucket_cap_mb, find_unused_parameters, "
         f"static_graph, gradient_as_bucket_view), FSDP() (optionally with "
-        f"reshard_after_forward) or None, got {describe(strategy)}: DDP's communication hooks, "
-        "local SGD, tensor parallelism, HSDP, CPU offload and FSDP's wrap (a stage shards its "
-        "blocks and the modules around them) are not supported under Pipeline yet"
+        f"reshard_after_forward, tp and a dict tp_plan) or None, got {describe(strategy)}: "
+        "DDP's communication hooks, local SGD, HSDP (replicate), CPU offload, FSDP's wrap (a "
+        "stage shards its blocks and the modules around them) and a tp_plan function (it would "
+        "split every stage's modules) are not supported under Pipeline yet; e.g. "
+        "Pipeline(stages=2, stage_strategy=FSDP()) or Pipeline(stages=2, "
+        "stage_strategy=FSDP(tp=2, tp_plan={'blocks.*.fc': 'colwise', ...}))"
     )
+
+
+def check_shardable(model: nn.Module, plan: StagePlan) -> None:
+    """FSDP stages: every parameter in a module that a stage shards (a block or a module
+    around the blocks), none of the model itself."""
+    units = [unit for index in range(len(plan.blocks)) for unit in plan.units(index)]
+    loose = [n for n, _ in model.named_parameters() if not n.startswith(tuple(units))]
+    if loose:
+        raise ValueError(
+            f"FSDP stages shard the blocks and the modules around them, but {loose} belong to "
+            "none: hold them in a submodule (e.g. an nn.Embedding)"
+        )
+
+
+def stage_tp_plans(model: nn.Module, tp_plan: Any, plan: StagePlan) -> list[dict[str, Any]]:
+    """``FSDP(tp>1)`` stages: the tensor-parallel plan (resolved on ``model``) cut by stage,
+    each stage splitting only its own modules. Raise a ``ValueError`` naming the fix if a
+    planned module holds parameters of several stages."""
+    from fastdist.strategies.tensor_parallel import resolve_plan
+
+    plans: list[dict[str, Any]] = [{} for _ in plan.blocks]
+    resolved = resolve_plan(model, tp_plan)
+    assert not callable(resolved), "check_stage_strategy refuses a tp_plan function"
+    for name, style in resolved.items():
+        params = [f"{name}.{p}" for p, _ in model.get_submodule(name).named_parameters()]
+        owners = sorted({plan.owner(p) for p in params or [name + "."]})
+        if len(owners) > 1:
+            raise ValueError(
+                f"tp_plan names {name}, whose parameters lie in pipeline stages {owners}: a "
+                "stage splits only its own modules; plan modules inside the blocks (e.g. "
+                "'blocks.*.fc') or the modules around them"
+            )
+        plans[owners[0]][name] = style
+    return plans
 
 
 def check_one_shape(sizes: list[list[int]], update_every: int) -> None:
@@ -88,8 +187,7 @@ def stage_shares(
 ) -> list[MemoryShare]:
     """Each of the ``ranks`` ranks of a pipeline (stage ``s`` on rank ``s % ranks``): its
     parameters trained (the rest of the model held whole), its blocks run, and the
-    micro-batches whose activations it holds at once (GPipe: all of an update's; 1F1B:
-    ``ranks - rank`` on rank ``rank``; interleaved, roughly as 1F1B)."""
+    micro-batches whose activations it holds at once (:func:`kept_micro_batches`)."""
     names = [name for name, _ in model.named_parameters()]
     return [
         MemoryShare(
@@ -98,7 +196,24 @@ def stage_shares(
             blocks=tuple(b for s in range(rank, len(plan.blocks), ranks) for b in plan.blocks[s]),
             first=rank == 0,
             last=rank == ranks - 1,
-            kept=update_every if schedule == "gpipe" else min(ranks - rank, update_every),
+            kept=kept_micro_batches(schedule, update_every, ranks, len(plan.blocks), rank),
         )
         for rank in range(ranks)
     ]
+
+
+def kept_micro_batches(schedule: str, n: int, ranks: int, stages: int, rank: int) -> float:
+    """How many micro-batches' activations (of all its stages) rank ``rank`` holds at once in
+    an update of ``n``, as torch's schedule orders them: GPipe (and looped GPipe) all ``n``;
+    1F1B ``ranks - rank``; interleaved 1F1B its warm-up forwards plus one, each of one of its
+    ``stages / ranks`` stages (torch's ``_get_warmup_ops``): more than 1F1B, for a smaller
+    bubble."""
+    per_rank = stages // ranks
+    kind = schedule_class(schedule, n, ranks, per_rank)
+    if kind in (SCHEDULES["gpipe"], SCHEDULES["looped-gpipe"]):
+        return n
+    if per_rank == 1:
+        return min(ranks - rank, n)
+    per_round = n // max(1, n // ranks)
+    warmup = min((per_rank - 1) * per_round + 2 * (ranks - 1 - rank), n * per_rank)
+    return min(warmup + 1, n * per_rank) / per_rank

@@ -75,17 +75,24 @@ class StagePlan:
         return 0
 
 
+def module_lists(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """``(name, child names)`` of every ``nn.ModuleList``/``nn.ModuleDict`` in ``model``."""
+    return [
+        (name, [f"{name}.{child}" for child, _ in module.named_children()])
+        for name, module in model.named_modules()
+        if name and isinstance(module, (nn.ModuleList, nn.ModuleDict))
+    ]
+
+
 def containers(model: nn.Module) -> list[tuple[str, list[str]]]:
     """``(name, block names)`` of the model's outermost ``ModuleList``/``ModuleDict``s of
     repeated blocks (children of one class)."""
     found: list[tuple[str, list[str]]] = []
-    for name, module in model.named_modules():
+    for name, blocks in module_lists(model):
         if any(name.startswith(outer + ".") for outer, _ in found):
             continue
-        children = list(module.named_children())
-        repeated = len({type(child) for _, child in children}) == 1
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and name and repeated:
-            found.append((name, [f"{name}.{child}" for child, _ in children]))
+        if len({type(model.get_submodule(block)) for block in blocks}) == 1:
+            found.append((name, blocks))
     return found
 
 
@@ -123,6 +130,7 @@ def plan_stages(model: nn.Module, stages: int, split: list[str] | None) -> Stage
     cls = type(model).__name__
     if split is None:
         if not found:
+            _refuse_mixed(model, stages)
             raise ValueError(
                 f"Pipeline(split=None) splits the model's repeated blocks evenly, but {cls} "
                 "holds none: put its layers in an nn.ModuleList (or nn.ModuleDict), or pass "
@@ -130,14 +138,35 @@ def plan_stages(model: nn.Module, stages: int, split: list[str] | None) -> Stage
             )
         container, blocks = max(found, key=lambda item: len(item[1]))
         if len(blocks) < stages:
+            n = len(blocks)
+            looped = f" (or Pipeline(stages={n // 2}, schedule='interleaved-1f1b'))" * (n >= 4)
+            fits = f"use Pipeline(stages={n}){looped} or fewer stages" if n >= 2 else "none fits"
             raise ValueError(
-                f"Pipeline(stages={stages}) needs at least {stages} blocks, but {cls}'s "
-                f"{container} holds {len(blocks)}: use fewer stages"
+                f"{stages} pipeline stages (2 per rank under interleaved 1F1B) need at least "
+                f"{stages} blocks, but {cls}'s {container} holds {n}: {fits}"
             )
         per, extra = divmod(len(blocks), stages)
         bounds = [s * per + min(s, extra) for s in range(stages + 1)]
         return _plan(model, container, [blocks[a:b] for a, b in itertools.pairwise(bounds)])
     return _cut_at(model, found, split)
+
+
+def _refuse_mixed(model: nn.Module, stages: int) -> None:
+    """Refuse ``split=None`` naming the model's largest list of blocks of several classes,
+    if it has one, and the ``split`` that cuts it evenly."""
+    lists = [(name, blocks) for name, blocks in module_lists(model) if len(blocks) >= stages]
+    if not lists:
+        return
+    name, blocks = max(lists, key=lambda item: len(item[1]))
+    classes = sorted({type(model.get_submodule(block)).__name__ for block in blocks})
+    per = len(blocks) // stages
+    example = [blocks[k * per] for k in range(1, stages)]
+    raise ValueError(
+        f"Pipeline(split=None) splits evenly the blocks of one class in an nn.ModuleList (or "
+        f"nn.ModuleDict), but {type(model).__name__}'s {name} holds blocks of "
+        f"{len(classes)} classes ({', '.join(classes)}): pass split={example} (the first "
+        "block of every stage after the first), or make its blocks one class"
+    )
 
 
 def _cut_at(model: nn.Module, found: list[tuple[str, list[str]]], split: list[str]) -> StagePlan:
@@ -148,7 +177,7 @@ def _cut_at(model: nn.Module, found: list[tuple[str, list[str]]], split: list[st
             f"Pipeline(split={split}) names {missing}, which {type(model).__name__} does not "
             "contain: name modules of model.named_modules(), e.g. 'layers.4'"
         )
-    for container, blocks in found:
+    for container, blocks in module_lists(model):  # blocks of any classes
         if all(name in blocks for name in split):
             cuts = [0] + [blocks.index(name) for name in split] + [len(blocks)]
             if all(a < b for a, b in itertools.pairwise(cuts)):

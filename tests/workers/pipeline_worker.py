@@ -8,9 +8,10 @@ Usage::
                                      # pipeline resuming one's, FSDP() resuming pp4's FSDP
                                      # stages' (run "one" and "pp4" first)
     pipeline_worker.py pp4 OUT_DIR   # torchrun, 4 ranks: 2 stages x 2 replicas (1f1b), DDP
-                                     # and FSDP stages
+                                     # and FSDP stages; FSDP(tp=2) stages (pp=2 x tp=2)
     pipeline_worker.py resume OUT_DIR  # torchrun --max-restarts=1, 2 ranks: rank 1 dies
                                        # after update 5 on the first attempt
+    pipeline_worker.py pp8 OUT_DIR   # torchrun, 8 ranks: pp=2 x dp_shard=2 x tp=2 (long tier)
 
 Every run trains :class:`Tagger` (float64, 4 residual blocks) on sequences of 1 to 9 real
 tokens padded to 9, with a ``(sum, count)`` token loss, AdamW, gradient clipping and a global
@@ -27,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel
 from workers import estimate_worker
 from workers.ending import exit_now
 from workers.token_loss_worker import Sequences
@@ -37,6 +40,10 @@ from fastdist.callbacks import GradientClipCallback
 
 WIDTH, N_TRAIN, N_DEV = 16, 36, 13  # 9 micro-batches of 4: updates of 4, 4 and 1
 UNEVEN = 33  # at 4 ranks, data shards of 17 and 16 sequences
+#: Tagger's layers split over 2 tensor-parallel ranks: output features, gathered again (its
+#: blocks add their input to their layer's output).
+TP_PLAN = {"inp": ColwiseParallel(output_layouts=Replicate())}
+TP_PLAN["blocks.*.fc"] = ColwiseParallel(output_layouts=Replicate())
 
 
 class Block(nn.Module):
@@ -241,14 +248,17 @@ def main(argv: list[str]) -> int:
         result["skip"] = refused(lambda: train(Pipeline(stages=2), out / "skip", model=SkipAll()))
         # 30 sequences: 7 batches of 4 and one of 2, the last update mixing them.
         result["short"] = refused(lambda: train(Pipeline(stages=2), out / "short", n_train=30))
-        # The 4-rank FSDP stages' checkpoint of update 3 (DCP shards) resumed by FSDP() here.
-        sharded = out.parent / "pp4" / "pp_fsdp" / "save" / "checkpoints" / "step-00000003"
-        result["fsdp_from_pp"] = train(FSDP(), out / "fsdp", update_every=2, resume=str(sharded))
+        # The 4-rank FSDP stages' checkpoint of update 3 (DCP shards) resumed by FSDP() here,
+        # and the tensor-parallel stages' (pp=2 x tp=2).
+        for run in ("pp_fsdp", "pp_tp"):
+            sharded = out.parent / "pp4" / run / "save" / "checkpoints" / "step-00000003"
+            resumed = train(FSDP(), out / f"from_{run}", update_every=2, resume=str(sharded))
+            result[f"fsdp_from_{run}"] = resumed
         # Per-stage memory, estimated and measured (the launch sets MALLOC_MMAP_THRESHOLD_).
         result["memory"] = estimate_worker.compare(Pipeline(stages=2), 2, 1, size=8)
     elif mode == "resume":
         result["resumed"] = train(Pipeline(stages=2), out / "resumed", checkpoint_every=1, die_at=5)
-    else:
+    elif mode == "pp4":
         strategy = Pipeline(stages=2, schedule="1f1b", split=["blocks.1"])
         result["pp_dp"] = train(strategy, out / "pp_dp", update_every=2, check_sync_every=1)
         # Interleaved: 2 stages per rank, each replicated by its own DDP over 2 pipelines.
@@ -263,6 +273,14 @@ def main(argv: list[str]) -> int:
         best = {"resume": str(step3), "load_best_model": True}  # ends with the best model
         resumed = train(sharded, out / "fsdp_resumed", update_every=2, **best)
         result["fsdp_resumed"] = resumed
+        # pp=2 x tp=2: one data shard, so 4 micro-batches per update (16 sequences).
+        tensor = Pipeline(stages=2, stage_strategy=FSDP(tp=2, tp_plan=TP_PLAN))
+        result["pp_tp"] = train(tensor, out / "pp_tp", load_best_model=True)
+    elif mode == "pp8":
+        tensor = Pipeline(stages=2, stage_strategy=FSDP(tp=2, tp_plan=TP_PLAN))
+        result["pp_dp_tp"] = train(tensor, out / "pp_dp_tp", update_every=2)
+    else:
+        raise ValueError(f"unknown mode {mode!r}: one, pp2, pp4, pp8 or resume")
     write_json(out, result)
     return 0
 
