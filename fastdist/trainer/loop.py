@@ -70,6 +70,8 @@ class Loop:
                 callbacks.on_batch_end()
                 if agreed.stop:
                     break
+            if state.lost_samples:  # replica groups failed (DDP(fault_tolerant=True))
+                logger.warning("epoch %d: %d samples lost", epoch, state.lost_samples)
             if not agreed.stop:  # the epoch ran to its end
                 state.epoch_complete = True
                 if run.validator.due_at_epoch_end:
@@ -98,7 +100,7 @@ class Loop:
         to the device as the data wait."""
         state = self.state
         if state.epoch_complete:
-            state.samples_in_epoch = state.batches_in_epoch = 0
+            state.samples_in_epoch = state.batches_in_epoch = state.lost_samples = 0
         state.epoch_complete = False
         self.data.begin(epoch, state.samples_in_epoch, state.batches_in_epoch)
         # iter() draws from the torch RNG. A checkpoint at an epoch end was taken before that

@@ -1,0 +1,98 @@
+"""One torchft replica group of a fault-tolerant run: ``ft_worker.py OUT_DIR [KILL_GROUP
+KILL_STEP]``, launched by ``python -m fastdist ft`` (or with the replica variables set).
+
+A linear model on 64 samples (batch 2 per group, 3 epochs) with ``DDP(fault_tolerant=True)``.
+Group KILL_GROUP SIGKILLs itself after update KILL_STEP on its first attempt (torchrun starts
+it again). The others, once training alone after that update, take 0.5 s per update (else
+0.05 s), so that they are still training when the killed group comes back. Every attempt
+appends its updates (step, epoch, participating groups, time) to
+``OUT_DIR/group<G>.attempt<A>.jsonl`` as they commit, and writes ``...json`` at the end: per
+epoch the lost samples and the updates skipped so far, the final parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from workers.ending import exit_now
+
+import fastdist
+from fastdist import DistTrainer
+from fastdist.callbacks import Callback
+from fastdist.strategies import DDP
+
+
+class Record(Callback):
+    """Records each update; kills this process after update ``kill_step`` if asked."""
+
+    def __init__(self, kill_step: int, killer: bool, log: Path) -> None:
+        self.kill_step, self.killer, self.log = kill_step, killer, log
+        self.epochs: dict[int, dict[str, int]] = {}
+
+    def on_step_end(self) -> None:
+        state, strategy = self.trainer.state, self.trainer.strategy
+        manager = strategy.torchft.manager
+        update = {"step": state.global_step, "epoch": state.epoch, "t": time.time()}
+        update["groups"] = manager.num_participants()
+        with open(self.log, "a") as log:  # what a killed attempt did stays
+            log.write(json.dumps(update) + "\n")
+        if self.killer and state.global_step == self.kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        alone = manager.num_participants() == 1 and state.global_step > self.kill_step > 0
+        time.sleep(0.5 if alone else 0.05)
+
+    def on_epoch_end(self) -> None:
+        state = self.trainer.state  # skipped_steps: cumulative, uncommitted updates too
+        self.epochs[state.epoch] = {"lost": state.lost_samples, "skipped": state.skipped_steps}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    group = int(os.environ["FASTDIST_REPLICA_GROUP"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    kill_group = int(sys.argv[2]) if len(sys.argv) > 2 else -1
+    kill_step = int(sys.argv[3]) if len(sys.argv) > 3 and attempt == 0 else -1
+    fastdist.set_seed(0)
+    x = torch.randn(64, 4)
+    data = TensorDataset(x, x.sum(dim=1, keepdim=True))
+    model = nn.Linear(4, 1)
+    name = out / f"group{group}.attempt{attempt}"
+    record = Record(kill_step, group == kill_group, name.with_suffix(".jsonl"))
+    trainer = DistTrainer(
+        train_data=data,
+        model=model,
+        loss=nn.MSELoss(),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        strategy=DDP(fault_tolerant=True),
+        callbacks_all=[record],
+        batch_size_per_gpu=2,
+        n_epochs=3,
+        timeout=30,
+        print_every=1000,
+    )
+    start = time.time()
+    result = trainer.train()
+    name.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "start": start,
+                "epochs": record.epochs,
+                "steps": result["steps"],
+                "skipped": trainer.state.skipped_steps,
+                "params": [p.tolist() for p in model.parameters()],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
+    exit_now()
