@@ -108,7 +108,7 @@ def lighthouse() -> Iterator[str]:
         proc.wait()
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_replica_index_used_twice_fails_on_both(lighthouse: str, tmp_path: Path) -> None:
     twice = {GROUP_VAR: "0", GROUPS_VAR: "2", LIGHTHOUSE_VAR: lighthouse}
     cmd = [sys.executable, str(WORKER), str(tmp_path)]
@@ -155,3 +155,42 @@ def test_launch_variables_are_checked(
         DDP(fault_tolerant=True)
     with pytest.raises(ValueError, match="leave comm_hook and average_every unset"):
         DDP(fault_tolerant=True, comm_hook="fp16")
+
+
+def _ft_run(out: Path, *args: str) -> dict[str, Any]:
+    """``python -m fastdist ft`` of 2 groups that both must join (no update without both);
+    group 0's end record."""
+    out.mkdir()
+    cli = [sys.executable, "-m", "fastdist", "ft", "--groups", "2", "--min-replicas", "2"]
+    (result,) = run_together([Launch([*cli, str(WORKER), "--", str(out), *args])], 150)
+    assert result.returncode == 0, result.describe()
+    ends = [json.loads((out / f"group{g}.attempt0.json").read_text()) for g in (0, 1)]
+    assert ends[0]["params"] == ends[1]["params"]
+    return {**ends[0], "output": result.output}
+
+
+@pytest.mark.long
+def test_without_failures_two_groups_equal_one_process_and_disk_resume_works(
+    tmp_path: Path,
+) -> None:
+    """2 groups x batch 2 equal 1 process x batch 2 x update_every 2 (no sample lost); a
+    whole-job restart resumes each group from its own newest checkpoint on disk."""
+    straight = _ft_run(tmp_path / "straight", "--epochs", "2")
+    assert straight["epochs"] == {"1": {"lost": 0, "skipped": 0}, "2": {"lost": 0, "skipped": 0}}
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    cmd = [sys.executable, str(WORKER), str(plain), "--plain", "--epochs", "2"]
+    (result,) = run_together([Launch(cmd)], 120)
+    assert result.returncode == 0, result.describe()
+    reference = json.loads((plain / "group0.attempt0.json").read_text())["params"]
+    assert torch.allclose(_flat(straight["params"]), _flat(reference), atol=1e-6)
+    save = str(tmp_path / "save")
+    _ft_run(tmp_path / "first", "--epochs", "1", "--save-path", save)
+    resumed = _ft_run(tmp_path / "resumed", "--epochs", "2", "--save-path", save)
+    for group in (0, 1):
+        assert f"replica_group{group}/checkpoints" in resumed["output"]
+    assert resumed["params"] == straight["params"]
+
+
+def _flat(params: list[Any]) -> torch.Tensor:
+    return torch.cat([torch.tensor(p).flatten() for p in params])

@@ -53,6 +53,7 @@ class DDP(Strategy):
             updates while the others go on, and heals from a live peer when it comes back
             (:mod:`~fastdist.strategies.replica_groups`; docs: reliability).
         min_replicas: with ``fault_tolerant``, the fewest groups that may commit an update.
+            Each group writes its files under ``<save_path>/replica_group<i>``.
 
     Each rank's PowerSGD error feedback, and under local SGD each rank's own parameters and
     optimizer state, are checkpointed per rank: a resumed run continues exactly. On another

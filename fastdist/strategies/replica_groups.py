@@ -94,7 +94,7 @@ class ReplicaGroups:
         self.min_replicas, self.timeout = min_replicas, timeout
         self.state: TrainerState | None = None
         self.samples_per_update = 0
-        self.healed_from: str | None = None
+        self.healed = False  # the state was just loaded from a peer
         self.trained = count  # groups that committed the last update
         self.joined = False  # a quorum was just formed by join()
         self.manager: Any = None
@@ -133,7 +133,7 @@ class ReplicaGroups:
 
         def load(state: Any) -> None:
             load_state_dict(state)
-            self.healed_from = "a peer replica group"
+            self.healed = True
 
         self.manager.register_state_dict_fn("fastdist", load, state_dict)
 
@@ -147,10 +147,8 @@ class ReplicaGroups:
         the state came from (``None``: this group's own)."""
         self.start_update()
         self.joined = True  # the first update needs no quorum of its own
-        healed, self.healed_from = self.healed_from, None
-        if healed is None:
-            return None
-        return f"a peer replica group at step {self.manager.current_step()}"
+        healed, self.healed = self.healed, False
+        return f"a peer replica group at step {self.manager.current_step()}" if healed else None
 
     def start_update(self) -> None:
         """A quorum before an update's forward: reconfigure the groups, heal if behind."""

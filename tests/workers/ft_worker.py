@@ -1,5 +1,6 @@
 """One torchft replica group of a fault-tolerant run: ``ft_worker.py OUT_DIR [KILL_GROUP
-KILL_STEP]``, launched by ``python -m fastdist ft`` (or with the replica variables set).
+KILL_STEP] [--epochs N] [--save-path DIR]``, launched by ``python -m fastdist ft`` (or with the
+replica variables set); ``--plain``: one process of plain DDP with update_every 2 instead.
 
 A linear model on 64 samples (batch 2 per group, 3 epochs) with ``DDP(fault_tolerant=True)``.
 Group KILL_GROUP SIGKILLs itself after update KILL_STEP on its first attempt (torchrun starts
@@ -12,10 +13,10 @@ epoch the lost samples and the updates skipped so far, the final parameters.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -39,14 +40,13 @@ class Record(Callback):
 
     def on_step_end(self) -> None:
         state, strategy = self.trainer.state, self.trainer.strategy
-        manager = strategy.torchft.manager
         update = {"step": state.global_step, "epoch": state.epoch, "t": time.time()}
-        update["groups"] = manager.num_participants()
+        update["groups"] = strategy.torchft.manager.num_participants() if strategy.torchft else 1
         with open(self.log, "a") as log:  # what a killed attempt did stays
             log.write(json.dumps(update) + "\n")
         if self.killer and state.global_step == self.kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
-        alone = manager.num_participants() == 1 and state.global_step > self.kill_step > 0
+        alone = update["groups"] == 1 and state.global_step > self.kill_step > 0
         time.sleep(0.5 if alone else 0.05)
 
     def on_epoch_end(self) -> None:
@@ -55,32 +55,40 @@ class Record(Callback):
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    group = int(os.environ["FASTDIST_REPLICA_GROUP"])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("kill", type=int, nargs="*", help="KILL_GROUP KILL_STEP")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--save-path", default=None)
+    parser.add_argument("--plain", action="store_true", help="one process, DDP, update_every 2")
+    args = parser.parse_args()
+    out = args.out
+    group = int(os.environ.get("FASTDIST_REPLICA_GROUP", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    kill_group = int(sys.argv[2]) if len(sys.argv) > 2 else -1
-    kill_step = int(sys.argv[3]) if len(sys.argv) > 3 and attempt == 0 else -1
+    kill_group, kill_step = args.kill if args.kill and attempt == 0 else (-1, -1)
     fastdist.set_seed(0)
     x = torch.randn(64, 4)
     data = TensorDataset(x, x.sum(dim=1, keepdim=True))
     model = nn.Linear(4, 1)
-    name = out / f"group{group}.attempt{attempt}"
-    record = Record(kill_step, group == kill_group, name.with_suffix(".jsonl"))
+    name = f"group{group}.attempt{attempt}"
+    record = Record(kill_step, group == kill_group, out / f"{name}.jsonl")
     trainer = DistTrainer(
         train_data=data,
         model=model,
         loss=nn.MSELoss(),
         optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-        strategy=DDP(fault_tolerant=True),
+        strategy=DDP(fault_tolerant=not args.plain),
         callbacks_all=[record],
         batch_size_per_gpu=2,
-        n_epochs=3,
+        n_epochs=args.epochs,
+        update_every=2 if args.plain else 1,  # the same samples per update as 2 groups
+        save_path=args.save_path,
         timeout=30,
         print_every=1000,
     )
     start = time.time()
     result = trainer.train()
-    name.with_suffix(".json").write_text(
+    (out / f"{name}.json").write_text(
         json.dumps(
             {
                 "start": start,
