@@ -111,8 +111,10 @@ def recovery(records: dict[str, list[dict]]) -> dict[str, float]:
     alive = records["0.0"]
     killed_at = records["1.0"][-1]["t"]  # group 1's last update, just before its SIGKILL
     times = [r["t"] for r in alive]
-    back = next(r["t"] for r in alive if r["t"] > killed_at and r["groups"] == 2)
-    alone = sum(1 for r in alive if r["t"] > killed_at and r["groups"] == 1)
+    after = [r for r in alive if r["t"] > killed_at]
+    first_alone = next(i for i, r in enumerate(after) if r["groups"] == 1)
+    back = next(r["t"] for r in after[first_alone:] if r["groups"] == 2)
+    alone = sum(1 for r in after if r["groups"] == 1)
     stall = max(b - a for a, b in zip(times, times[1:], strict=False))
     return {"stall_s": stall, "full_again_s": back - killed_at, "updates_alone": alone}
 

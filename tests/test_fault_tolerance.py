@@ -36,12 +36,16 @@ BATCH = 2  # per group and update
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The run in which group 1 was killed after KILL_STEP: each attempt's updates, as
-    committed (``<name>.jsonl``), and its end (``<name>.json``; a killed attempt has none)."""
-    out = tmp_path_factory.mktemp("ft-killed")
+    """The run in which group 1 was killed after KILL_STEP."""
+    return _killed_run(tmp_path_factory.mktemp("ft-killed"))
+
+
+def _killed_run(out: Path, *args: str) -> dict[str, Any]:
+    """Run 2 groups, group 1 killed at KILL_STEP: each attempt's updates, as committed
+    (``<name>.jsonl``), and its end (``<name>.json``; a killed attempt has none)."""
     cli = [sys.executable, "-m", "fastdist", "ft", "--groups", "2", "--max-restarts", "1"]
     cli += ["--heartbeat-timeout-ms", "1000", str(WORKER), "--", str(out), "1", str(KILL_STEP)]
-    (result,) = run_together([Launch(cli)], timeout=150)
+    (result,) = run_together([Launch([*cli, *args])], timeout=150)
     assert result.returncode == 0, result.describe()
     records: dict[str, Any] = {"output": result.output}
     for path in out.glob("*.jsonl"):
@@ -79,16 +83,32 @@ def test_survivor_never_stops_and_the_killed_group_heals(killed: dict[str, Any])
 @pytest.mark.slow
 def test_every_sample_is_trained_or_counted_lost(killed: dict[str, Any]) -> None:
     """The rule: each epoch's samples went into a committed update, or are counted lost."""
+    _check_accounting(killed)
+
+
+@pytest.mark.long
+def test_a_kill_inside_an_update_loses_it_on_every_group(tmp_path: Path) -> None:
+    """Group 1 dies before update KILL_STEP's all-reduce: group 0's fails, torchft commits
+    it nowhere, and its slot's samples count as lost; then as after a kill between updates."""
+    run = _killed_run(tmp_path, "--in-backward")
+    alive = run["group0.attempt0"]
+    assert alive["skipped"] >= 1, run["output"]  # the update no group committed
+    assert run["group1.attempt1"]["params"] == alive["params"]
+    _check_accounting(run)
+
+
+def _check_accounting(run: dict[str, Any]) -> None:
+    """Each epoch's samples: in an update some group committed, or counted lost."""
     updates = {}  # step -> the update, as any group that committed it recorded it
     for name in ("group0.attempt0", "group1.attempt0", "group1.attempt1"):
-        updates.update({u["step"]: u for u in killed[name]["updates"]})
-    alive = killed["group0.attempt0"]
+        updates.update({u["step"]: u for u in run[name]["updates"]})
+    alive = run["group0.attempt0"]
     assert sorted(updates) == list(range(1, alive["steps"] + 1))
     for epoch, counts in alive["epochs"].items():
         trained = sum(u["groups"] * BATCH for u in updates.values() if u["epoch"] == int(epoch))
         assert trained + counts["lost"] == SAMPLES, (epoch, trained, counts)
     assert sum(c["lost"] for c in alive["epochs"].values()) > 0
-    assert "samples lost" in killed["output"]
+    assert "samples lost" in run["output"]
 
 
 @pytest.fixture

@@ -191,11 +191,30 @@ class ReplicaGroups:
 
 
 def wrap_model(manager: Any, model: nn.Module) -> nn.Module:
-    """``model`` under torchft's DistributedDataParallel: gradients averaged over the
-    quorum's groups through the Manager."""
-    from torchft.ddp import DistributedDataParallel
+    """``model`` under torch's DistributedDataParallel whose gradients are averaged over the
+    quorum's groups by torchft's ``Manager.allreduce``, as torchft's own DDP wrapper does (a
+    dummy process group for DDP's own start-up broadcast; buckets never rebuilt). Its hook
+    is not torchft's: in torchft 0.2.0 that one fails an assertion in the backward pass when
+    a peer dies during the all-reduce, where the update must only be left uncommitted."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torchft.process_group import ProcessGroupDummy
 
-    return DistributedDataParallel(manager, model)
+    ddp = DistributedDataParallel(
+        model, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True
+    )
+    ddp.register_comm_hook(manager, _all_reduce)
+    return ddp
+
+
+def _all_reduce(manager, bucket):
+    """Average ``bucket`` (a ``dist.GradBucket``) over the quorum; return a done future. A
+    failure is reported to the Manager (the update is then not committed), not raised.
+    Unannotated: DDP checks a hook's annotations, and this module's are strings."""
+    buffer = bucket.buffer()
+    manager.allreduce(buffer).wait()
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(buffer)
+    return done
 
 
 class Gated(torch.optim.Optimizer):

@@ -138,12 +138,14 @@ class Loop:
         optimizer.zero_grad(set_to_none=True)
         if not ahead:
             self.losses.end_window(applied)
+        # The position moves past a skipped update too: a peer that heals from this state
+        # (torchft) must start at the next update, as this rank does.
+        state.samples_in_epoch, state.batches_in_epoch = self.data.position(state.batch_idx + 1)
         if not applied:
             state.skipped_steps += 1
             return False
         state.global_step += 1
         self.world.board.update(step=state.global_step, phase="train")  # a second old at most
-        state.samples_in_epoch, state.batches_in_epoch = self.data.position(state.batch_idx + 1)
         self.strategy.after_step(state.global_step)  # e.g. local SGD's averaging
         self.progress.update()
         every = self.options.check_sync_every

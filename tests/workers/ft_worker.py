@@ -1,6 +1,7 @@
 """One torchft replica group of a fault-tolerant run: ``ft_worker.py OUT_DIR [KILL_GROUP
-KILL_STEP] [--epochs N] [--save-path DIR]``, launched by ``python -m fastdist ft`` (or with the
-replica variables set); ``--plain``: one process of plain DDP with update_every 2 instead.
+KILL_STEP [--in-backward]] [--epochs N] [--save-path DIR]``, launched by ``python -m fastdist
+ft`` (or with the replica variables set); ``--plain``: one process of plain DDP with
+update_every 2 instead.
 
 A linear model on 64 samples (batch 2 per group, 3 epochs) with ``DDP(fault_tolerant=True)``.
 Group KILL_GROUP SIGKILLs itself after update KILL_STEP on its first attempt (torchrun starts
@@ -34,8 +35,9 @@ from fastdist.strategies import DDP
 class Record(Callback):
     """Records each update; kills this process after update ``kill_step`` if asked."""
 
-    def __init__(self, kill_step: int, killer: bool, log: Path) -> None:
+    def __init__(self, kill_step: int, killer: bool, log: Path, in_backward: bool) -> None:
         self.kill_step, self.killer, self.log = kill_step, killer, log
+        self.in_backward = in_backward
         self.epochs: dict[int, dict[str, int]] = {}
 
     def on_step_end(self) -> None:
@@ -44,10 +46,20 @@ class Record(Callback):
         update["groups"] = strategy.torchft.manager.num_participants() if strategy.torchft else 1
         with open(self.log, "a") as log:  # what a killed attempt did stays
             log.write(json.dumps(update) + "\n")
-        if self.killer and state.global_step == self.kill_step:
+        if self.killer and state.global_step == self.kill_step and not self.in_backward:
             os.kill(os.getpid(), signal.SIGKILL)
         alone = update["groups"] == 1 and state.global_step > self.kill_step > 0
         time.sleep(0.5 if alone else 0.05)
+
+    def on_backward_begin(self, loss: object) -> None:
+        """With ``in_backward``: die before update ``kill_step``'s all-reduce (the other
+        groups' all-reduce fails, so none commits it)."""
+        if (
+            self.killer
+            and self.in_backward
+            and self.trainer.state.global_step == self.kill_step - 1
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_epoch_end(self) -> None:
         state = self.trainer.state  # skipped_steps: cumulative, uncommitted updates too
@@ -61,6 +73,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--save-path", default=None)
     parser.add_argument("--plain", action="store_true", help="one process, DDP, update_every 2")
+    parser.add_argument("--in-backward", action="store_true", help="kill before the all-reduce")
     args = parser.parse_args()
     out = args.out
     group = int(os.environ.get("FASTDIST_REPLICA_GROUP", "0"))
@@ -71,7 +84,7 @@ def main() -> None:
     data = TensorDataset(x, x.sum(dim=1, keepdim=True))
     model = nn.Linear(4, 1)
     name = f"group{group}.attempt{attempt}"
-    record = Record(kill_step, group == kill_group, out / f"{name}.jsonl")
+    record = Record(kill_step, group == kill_group, out / f"{name}.jsonl", args.in_backward)
     trainer = DistTrainer(
         train_data=data,
         model=model,
