@@ -277,7 +277,8 @@ class Checkpointer:
         Every rank restores the same checkpoint or raises the same error (see
         :mod:`fastdist.checkpoint.resume`). A run may not prune or overwrite checkpoints it does
         not continue: a fresh start, or a resume from elsewhere, in a directory that holds
-        checkpoints is refused.
+        checkpoints is refused. Then a live ``peer`` that is ahead (torchft's replica groups)
+        overwrites every part with its own state.
         """
         resumed = self._restore_saved(resume)
         healed = None if self.peer is None else self.peer.join()  # a live peer may be ahead
