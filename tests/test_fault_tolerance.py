@@ -9,17 +9,19 @@ PID); in process, no Lighthouse and missing launch variables.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from launch import TESTS_DIR, Launch, free_port, run_together
+from launch import TESTS_DIR, Launch, free_port, run_together, started
 from torch.utils.data import TensorDataset
 
 from fastdist import DistTrainer
@@ -111,21 +113,29 @@ def _check_accounting(run: dict[str, Any]) -> None:
     assert "samples lost" in run["output"]
 
 
-@pytest.fixture
-def lighthouse() -> Iterator[str]:
-    """A torchft Lighthouse for 2 groups on a free port, stopped by its PID."""
+@contextlib.contextmanager
+def _lighthouse(min_replicas: int) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A torchft Lighthouse on a free port: its URL and process, stopped by its PID."""
     port = free_port()
     binary = Path(sys.executable).parent / "torchft_lighthouse"
     proc = subprocess.Popen(
-        [str(binary), "--min_replicas=2", f"--bind=[::]:{port}", "--join_timeout_ms=1000"],
+        [str(binary), f"--min_replicas={min_replicas}", f"--bind=[::]:{port}"]
+        + ["--join_timeout_ms=1000"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        yield f"http://localhost:{port}"
+        yield f"http://localhost:{port}", proc
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[str]:
+    """A torchft Lighthouse for 2 groups."""
+    with _lighthouse(min_replicas=2) as (url, _):
+        yield url
 
 
 @pytest.mark.long
@@ -137,6 +147,31 @@ def test_a_replica_index_used_twice_fails_on_both(lighthouse: str, tmp_path: Pat
         assert "FASTDIST_REPLICA_GROUP [0] is used by more than one" in result.output, (
             result.describe()
         )
+
+
+@pytest.mark.long
+def test_a_lost_lighthouse_ends_every_group_clearly(tmp_path: Path) -> None:
+    """The Lighthouse killed while 2 groups train: each fails within its timeout (30 s),
+    naming the Lighthouse; none hangs."""
+    with _lighthouse(min_replicas=1) as (url, lighthouse):
+        cmd = [sys.executable, str(WORKER), str(tmp_path), "--epochs", "100"]
+        env = {GROUP_VAR: "0", GROUPS_VAR: "2", LIGHTHOUSE_VAR: url}
+        log = tmp_path / "group0.attempt0.jsonl"
+        with (
+            started(Launch(cmd, env), tmp_path / "0.log") as first,
+            started(Launch(cmd, {**env, GROUP_VAR: "1"}), tmp_path / "1.log") as second,
+        ):
+            deadline = time.monotonic() + 120
+            while not (log.exists() and len(log.read_text().splitlines()) >= 20):
+                assert time.monotonic() < deadline, first.output()
+                time.sleep(0.2)
+            lighthouse.kill()
+            killed_at = time.monotonic()
+            for group in (first, second):
+                group.proc.wait(timeout=90)
+                assert group.proc.returncode != 0
+                assert "got no torchft quorum within 30 s" in group.output(), group.output()
+            assert time.monotonic() - killed_at < 75
 
 
 def test_no_lighthouse_is_named(monkeypatch: pytest.MonkeyPatch, no_dist_env: None) -> None:

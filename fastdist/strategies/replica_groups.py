@@ -155,7 +155,15 @@ class ReplicaGroups:
         if self.joined:
             self.joined = False
             return
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as exc:  # torchft's quorum call to the Lighthouse, bounded by timeout
+            raise RuntimeError(
+                f"replica group {self.index} got no torchft quorum within {self.timeout:g} s "
+                f"({type(exc).__name__}: {exc}): is the Lighthouse at "
+                f"{LIGHTHOUSE_VAR}={os.environ[LIGHTHOUSE_VAR]} still running? Restart the job "
+                "(with save_path set, it resumes from the newest checkpoints)"
+            ) from exc
         ranks = list(getattr(self.manager._pg, "_global_ranks", None) or [])
         if len(set(ranks)) != len(ranks):
             reused = sorted({r for r in ranks if ranks.count(r) > 1})
