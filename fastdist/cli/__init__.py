@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv[:cut])
     if cut < len(argv):
         if not hasattr(args, "script_args"):
-            parser.error("only check-resume and ft take arguments after --: their SCRIPT's")
+            parser.error("only check-resume takes arguments after -- (and ft): their SCRIPT's")
         args.script_args = argv[cut + 1 :]
     if args.command is None:
         parser.print_help()
