@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node=2 examples/train_digits.py      # 2 processes (CPU: gloo)
     python examples/train_digits.py                           # 1 process
+    python -m fastdist ft --groups 2 examples/train_digits.py -- --fault-tolerant  # torchft
 
 The data ships inside scikit-learn (no download). Rank 0 builds a tensor cache first while the
 other ranks wait (``rank_zero_first``), then every rank reads the cache.
@@ -19,6 +20,7 @@ from torch.utils.data import Dataset
 import fastdist
 from fastdist import AccuracyMetric, CrossEntropyLoss, DistTrainer, logger, rank_zero_first
 from fastdist.callbacks import FitlogCallback, GradientClipCallback, WarmupCallback
+from fastdist.strategies import DDP
 
 
 class Digits(Dataset):
@@ -85,6 +87,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", default="cache")
     parser.add_argument("--save-path", default="save")
     parser.add_argument("--log-dir", default="logs")
+    parser.add_argument("--fault-tolerant", action="store_true", help="torchft replica groups")
     args = parser.parse_args()
 
     fastdist.set_seed(42)
@@ -99,6 +102,7 @@ def main() -> None:
         metrics=AccuracyMetric(pred="pred", target="target"),
         metric_key="acc",
         optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr),
+        strategy=DDP(fault_tolerant=args.fault_tolerant),
         callbacks_all=[WarmupCallback(warmup=0.1, schedule="linear"), GradientClipCallback(1.0)],
         callbacks_master=[FitlogCallback(log_dir=args.log_dir)],
         batch_size_per_gpu=args.batch_size_per_gpu,

@@ -28,7 +28,8 @@ class TrainerState:
     Attributes:
         epoch: current epoch, from 1.
         global_step: optimizer updates done so far.
-        skipped_steps: updates skipped for non-finite gradients (``on_nonfinite="skip"``).
+        skipped_steps: updates skipped for non-finite gradients (``on_nonfinite="skip"``), or
+            not committed by torchft (``DDP(fault_tolerant=True)``).
         batch_idx: index of the current micro-batch within this pass over the epoch, from 0
             (a pass resumed mid-epoch starts at 0 again).
         samples_in_epoch: global samples of the current epoch trained on (all ranks).
@@ -57,6 +58,9 @@ class TrainerState:
             evaluation, checkpoint), one dict per rank: ``rank``, ``update_ms`` (data +
             compute), ``data_ms``, ``compute_ms``, ``collective_ms``; see
             :mod:`fastdist.trainer.timing`.
+        lost_samples: samples of the current epoch that no replica group trained: their
+            group failed or was healing at their update (``DDP(fault_tolerant=True)``; see
+            :mod:`fastdist.strategies.replica_groups`).
     """
 
     epoch: int = 0
@@ -78,6 +82,7 @@ class TrainerState:
     stop_requested: bool = False
     rolled_back: bool = False
     rank_times: list[dict[str, float]] | None = None
+    lost_samples: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:

@@ -70,6 +70,20 @@ class Mirror(Protocol):
         (rank 0's; ``None`` on the others)."""
 
 
+class Peer(Protocol):
+    """A live peer that sends this process's parts instead of a disk checkpoint (torchft's
+    replica groups, :mod:`fastdist.strategies.replica_groups`)."""
+
+    def share(self, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
+        """What to send a peer that heals from us, and how to heal from one."""
+        ...
+
+    def join(self) -> str | None:
+        """Join the peers before training, healed if one is ahead; say from where (``None``:
+        not healed)."""
+        ...
+
+
 @dataclass(frozen=True)
 class Part:
     """A registered part: its name in the checkpoint, the object, its scope."""
@@ -109,6 +123,7 @@ class Checkpointer:
         group: Any = None,
         mirror: Mirror | None = None,
         background: Background | None = None,
+        peer: Peer | None = None,
     ) -> None:
         self.dir = CheckpointDir(directory, keep) if directory else None
         self.every = every
@@ -117,6 +132,9 @@ class Checkpointer:
         self.background = background
         self.rank, self.world_size = get_rank(), get_world_size()
         self.parts: dict[str, Part] = {}
+        self.peer = peer
+        if peer is not None:
+            peer.share(self._live_state, self._load_live)
 
     def register(self, name: str, obj: Any, scope: str = REPLICATED) -> None:
         """Save ``obj``'s state under ``name`` in every checkpoint, restore it on resume."""
@@ -259,8 +277,15 @@ class Checkpointer:
         Every rank restores the same checkpoint or raises the same error (see
         :mod:`fastdist.checkpoint.resume`). A run may not prune or overwrite checkpoints it does
         not continue: a fresh start, or a resume from elsewhere, in a directory that holds
-        checkpoints is refused.
+        checkpoints is refused. Then a live ``peer`` that is ahead (torchft's replica groups)
+        overwrites every part with its own state.
         """
+        resumed = self._restore_saved(resume)
+        healed = None if self.peer is None else self.peer.join()  # a live peer may be ahead
+        return resumed if healed is None else Resumed(healed, self.world_size)
+
+    def _restore_saved(self, resume: bool | str | os.PathLike) -> Resumed | None:
+        """Restore every part from the checkpoint on disk that ``resume`` asks for."""
         fetch = None if self.mirror is None else self.mirror.fetch
         found = choose(resume, self.dir, self.group, fetch)
         self._remove_stale_temps()
@@ -299,6 +324,19 @@ class Checkpointer:
                 self.dir.directory,
                 ", ".join(removed),
             )
+
+    def _live_state(self) -> dict[str, Any]:
+        """This rank's view of every part, as a live peer sends it (no collective: it is
+        called in torchft's quorum thread)."""
+        held = [p for p in self.parts.values() if p.scope in (REPLICATED, PER_RANK)]
+        if len(held) != len(self.parts):
+            raise ValueError("healing from a peer takes replicated and per-rank parts only")
+        return {part.name: part.obj.state_dict() for part in held}
+
+    def _load_live(self, state: dict[str, Any]) -> None:
+        """Load what a peer's :meth:`_live_state` sent."""
+        for part in self.parts.values():
+            part.obj.load_state_dict(state[part.name])
 
     def _check_saved(self, checkpoint: dict[str, Any], part: Part, path: str) -> None:
         """Raise (alike on every rank, before any collective) if ``part`` is not in the

@@ -9,6 +9,7 @@ Commands:
 - ``export``: write the model of a checkpoint (sharded or not) as one file, offline.
 - ``check-resume``: run a training script through, and killed halfway then resumed; compare.
 - ``hang-report``: a job's hang dumps (each rank's collective and Python line) as one report.
+- ``ft``: a torchft Lighthouse and N replica groups of a script on this machine.
 
 Example:
     >>> main(["env"])  # python -m fastdist env  # doctest: +SKIP
@@ -25,6 +26,7 @@ from fastdist.cli.check_resume import add_parser as add_check_resume_parser
 from fastdist.cli.env import add_parser as add_env_parser
 from fastdist.cli.estimate import add_parser as add_estimate_parser
 from fastdist.cli.export import add_parser as add_export_parser
+from fastdist.cli.ft import add_parser as add_ft_parser
 from fastdist.cli.hang_report import add_parser as add_hang_report_parser
 from fastdist.cli.plot import add_parser as add_plot_parser
 
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(commands)
     add_hang_report_parser(commands)
     add_check_resume_parser(commands)
+    add_ft_parser(commands)
     return parser
 
 
@@ -57,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv[:cut])
     if cut < len(argv):
         if not hasattr(args, "script_args"):
-            parser.error("only check-resume takes arguments after --: its SCRIPT's")
+            parser.error("only check-resume takes arguments after -- (and ft): their SCRIPT's")
         args.script_args = argv[cut + 1 :]
     if args.command is None:
         parser.print_help()

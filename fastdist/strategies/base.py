@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from fastdist.checkpoint import PER_RANK, REPLICATED
+from fastdist.checkpoint.checkpointer import Peer
 from fastdist.distributed import broadcast_tensors, get_rank
+from fastdist.state import TrainerState
 from fastdist.strategies.blocks import checkpoint_blocks, find_blocks
 from fastdist.strategies.topology import Topology
 
@@ -106,6 +108,11 @@ class Strategy:
     #: Ranks step on their own gradients between synchronisations (local SGD): every rank
     #: does not see the same gradients, so they cannot all skip the same non-finite update.
     local_steps = False
+    #: ``(index, count)`` of this process's replica group among the job's: each group trains
+    #: its own shard of the data (``DDP(fault_tolerant=True)``); ``(0, 1)``: one group.
+    replica_group: tuple[int, int] = (0, 1)
+    #: What heals this group's checkpoint parts from a live peer group (``None``: nothing).
+    peer: Peer | None = None
 
     def degrees(self, world_size: int) -> dict[str, int]:
         """How many of ``world_size`` ranks this strategy lays along each dimension it runs on
@@ -122,6 +129,10 @@ class Strategy:
     ) -> None:
         """Raise if this strategy cannot run ``model`` on ``device`` (alike on every rank,
         before any collective)."""
+
+    def bind(self, state: TrainerState, samples_per_update: int) -> None:
+        """Once the trainer is assembled: its ``state`` (a strategy may count into it, e.g. the
+        samples lost to failed replica groups) and the samples of one update of this group."""
 
     def check_window(self, update_every: int) -> None:
         """Raise if this strategy cannot run updates of ``update_every`` micro-batches (alike

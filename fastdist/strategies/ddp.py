@@ -14,7 +14,14 @@ from fastdist.checkpoint import PER_RANK
 from fastdist.checks import check_bool, check_choice, check_int, check_number
 from fastdist.distributed import get_world_size, is_distributed
 from fastdist.logging import logger
-from fastdist.strategies.base import Strategy
+from fastdist.state import TrainerState
+from fastdist.strategies.base import Strategy, Update
+from fastdist.strategies.replica_groups import (
+    Gated,
+    ReplicaGroups,
+    replica_group_from_env,
+    wrap_model,
+)
 from fastdist.strategies.topology import Topology
 
 if TYPE_CHECKING:  # the hooks are imported when set
@@ -41,6 +48,12 @@ class DDP(Strategy):
             all-reduce, each rank steps on its own gradients and the parameters are averaged
             (torch's ``average_parameters``) after every update whose number is a multiple of
             ``average_every``; 0: off.
+        fault_tolerant: run this job as one of several torchft replica groups (one process
+            each), launched by ``python -m fastdist ft``: a group that fails drops out of the
+            updates while the others go on, and heals from a live peer when it comes back
+            (:mod:`~fastdist.strategies.replica_groups`; docs: reliability).
+        min_replicas: with ``fault_tolerant``, the fewest groups that may commit an update.
+            Each group writes its files under ``<save_path>/replica_group<i>``.
 
     Each rank's PowerSGD error feedback, and under local SGD each rank's own parameters and
     optimizer state, are checkpointed per rank: a resumed run continues exactly. On another
@@ -58,6 +71,8 @@ class DDP(Strategy):
         bucket_cap_mb: float | None = None,
         comm_hook: str | None = None,
         average_every: int = 0,
+        fault_tolerant: bool = False,
+        min_replicas: int = 1,
     ) -> None:
         check_bool("find_unused_parameters", find_unused_parameters)
         check_bool("static_graph", static_graph)
@@ -68,12 +83,23 @@ class DDP(Strategy):
         check_int("average_every", average_every, minimum=0)
         if comm_hook and average_every:
             raise ValueError("comm_hook and average_every both set DDP's hook: choose one")
+        check_bool("fault_tolerant", fault_tolerant)
+        check_int("min_replicas", min_replicas, minimum=1)
+        if fault_tolerant and (comm_hook or average_every):
+            raise ValueError(
+                "DDP(fault_tolerant=True) sets DDP's hook (torchft's all-reduce): leave "
+                "comm_hook and average_every unset"
+            )
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.bucket_cap_mb = bucket_cap_mb
         self.comm_hook = comm_hook
         self.average_every = average_every
+        self.fault_tolerant, self.min_replicas = fault_tolerant, min_replicas
+        self.torchft: ReplicaGroups | None = None
+        if fault_tolerant:  # the launch says which group this is
+            self.replica_group = replica_group_from_env()
         self.local_steps = average_every > 0
         self.waits_in_compute = average_every > 0  # in the step's averaging
         self.powersgd: PowerSGD | None = None
@@ -88,6 +114,12 @@ class DDP(Strategy):
     ) -> None:
         if self.comm_hook == "bf16" and device.type != "cuda":
             raise ValueError("comm_hook='bf16' needs CUDA and NCCL; use comm_hook='fp16' with gloo")
+        if self.fault_tolerant and get_world_size() > 1:
+            raise ValueError(
+                f"DDP(fault_tolerant=True) runs replica groups of one process, but this group "
+                f"has {get_world_size()}: start one process per group "
+                "(python -m fastdist ft --groups N SCRIPT)"
+            )
 
     def setup(
         self,
@@ -112,6 +144,13 @@ class DDP(Strategy):
             checkpointing=checkpointing,
             topology=topology,
         )
+        if self.fault_tolerant:
+            index, count = self.replica_group
+            self.torchft = ReplicaGroups(index, count, self.min_replicas, timeout or 60.0)
+            manager = self.torchft.start(group_rank=0, group_size=1)
+            self.peer = self.torchft
+            self.module = wrap_model(manager, model)
+            return Gated(optimizer, self.torchft)
         if not is_distributed():
             return optimizer  # one process: nothing to all-reduce
         options: dict[str, Any] = (
@@ -149,6 +188,16 @@ class DDP(Strategy):
             )
             ddp.register_comm_hook(self.local_sgd, post_localSGD_hook.post_localSGD_hook)
         return optimizer
+
+    def bind(self, state: TrainerState, samples_per_update: int) -> None:
+        if self.torchft is not None:
+            self.torchft.bind(state, samples_per_update)
+
+    def forward_backward(self, update: Update) -> None:
+        """The update, after torchft's quorum (which may heal this group) if fault tolerant."""
+        if self.torchft is not None:
+            self.torchft.start_update()
+        super().forward_backward(update)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         if isinstance(self.module, DistributedDataParallel):
@@ -194,6 +243,8 @@ class DDP(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's hook state: PowerSGD's per-parameter state, local SGD's iteration."""
+        if self.torchft is not None:
+            return {"torchft": self.torchft.state_dict()}
         if self.powersgd is not None:
             return {"powersgd": self.powersgd.state_dict()}
         if self.local_sgd is not None:
@@ -201,6 +252,8 @@ class DDP(Strategy):
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.torchft is not None and "torchft" in state:
+            self.torchft.load_state_dict(state["torchft"])
         if self.powersgd is not None and "powersgd" in state:
             self.powersgd.load_state_dict(state["powersgd"])
         if self.local_sgd is not None and "local_sgd_iter" in state:

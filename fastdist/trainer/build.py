@@ -68,11 +68,19 @@ class World:
     group: Any  # the trainer's process group (None: the default one)
     board: PositionBoard  # where every rank is, for failure reports
     topology: Topology  # the layout of the ranks, which the strategy asked for
+    replica_group: tuple[int, int] = (0, 1)  # (index, count) among the job's replica groups
 
     @property
     def data(self) -> DataShard:
-        """The shard of the data this rank trains and evaluates on."""
+        """The shard of the data this rank evaluates on (and trains on, in one group)."""
         return self.topology.data_shard
+
+    @property
+    def train_data(self) -> DataShard:
+        """The shard of the data this rank trains on: its group's shard of the epoch, each
+        replica group training its own."""
+        shard, (index, count) = self.data, self.replica_group
+        return DataShard(index * shard.size + shard.rank, count * shard.size, shard.primary)
 
 
 @dataclass
@@ -146,7 +154,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
         data=data,
         validator=_validator(args, strategy, evaluate, world),
         callbacks=_callbacks(args, world.rank == 0),
-        checkpointer=_checkpointer(options, world.group, state, write_group),
+        checkpointer=_checkpointer(options, world.group, state, write_group, strategy),
         rng=RandomState(world.rank),
         state=state,
         losses=losses,
@@ -158,6 +166,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
         sync=Sync(losses, timer, model, raise_nonfinite, sigterm, world.board, device, world.group),
     )
     _register_parts(run)
+    strategy.bind(state, options.global_batch(world.data.size))  # e.g. counts lost samples
     # The groups this trainer created go with it (each holds sockets and threads).
     owned = [world.group, stream_group, write_group, *strategy.own_groups]
     weakref.finalize(run, destroy_groups, owned)
@@ -184,7 +193,7 @@ def _form_world(options: TrainerOptions, device: torch.device) -> World:
     topology = Topology.of(options.strategy, device.type, options.timeout)
     board = PositionBoard(rank, size)
     hang.watch(rank, hang.dump_dir(options.save_path), lambda: board.describe(board.fields))
-    return World(device, rank, size, group, board, topology)
+    return World(device, rank, size, group, board, topology, options.strategy.replica_group)
 
 
 def _batches(args: Arguments, world: World, timer: RankTimer, stream_group: Any) -> Batches:
@@ -210,8 +219,8 @@ def _batches(args: Arguments, world: World, timer: RankTimer, stream_group: Any)
             args.train_data,
             options.batch_size_per_gpu,
             options.drop_last,
-            world.data.rank,
-            world.data.size,
+            world.train_data.rank,
+            world.train_data.size,
             options.update_every,
             options.stream_read_ahead_mb,
             stream_group,
@@ -225,8 +234,8 @@ def _batches(args: Arguments, world: World, timer: RankTimer, stream_group: Any)
         args.batch_sampler,
         options.drop_last,
         options.seed,
-        world.data.rank,
-        world.data.size,
+        world.train_data.rank,
+        world.train_data.size,
         options.update_every,
         **loader_options,
     )
@@ -276,11 +285,12 @@ def _callbacks(args: Arguments, is_master: bool) -> CallbackList:
 
 
 def _checkpointer(
-    options: TrainerOptions, group: Any, state: TrainerState, write_group: Any
+    options: TrainerOptions, group: Any, state: TrainerState, write_group: Any, strategy: Strategy
 ) -> Checkpointer:
     """Checkpoints in ``checkpoint_dir``, else ``<save_path>/checkpoints``, else none; in a
     Ray Train worker also reported to Ray (:mod:`~fastdist.trainer.ray_report`); with
-    ``checkpoint_async`` written in the background, on ``write_group``."""
+    ``checkpoint_async`` written in the background, on ``write_group``; healed from a live
+    peer where the strategy has one (torchft's replica groups)."""
     directory = options.checkpoint_dir
     if directory is None and options.save_path is not None:
         directory = os.path.join(options.save_path, "checkpoints")
@@ -293,7 +303,7 @@ def _checkpointer(
         )
     every, keep = options.checkpoint_every, options.keep_checkpoints
     background = Background(write_group) if options.checkpoint_async else None
-    return Checkpointer(directory, every, keep, group, mirror, background)
+    return Checkpointer(directory, every, keep, group, mirror, background, strategy.peer)
 
 
 def _register_parts(run: Run) -> None:

@@ -70,6 +70,8 @@ class Loop:
                 callbacks.on_batch_end()
                 if agreed.stop:
                     break
+            if state.lost_samples:  # replica groups failed (DDP(fault_tolerant=True))
+                logger.warning("epoch %d: %d samples lost", epoch, state.lost_samples)
             if not agreed.stop:  # the epoch ran to its end
                 state.epoch_complete = True
                 if run.validator.due_at_epoch_end:
@@ -98,7 +100,7 @@ class Loop:
         to the device as the data wait."""
         state = self.state
         if state.epoch_complete:
-            state.samples_in_epoch = state.batches_in_epoch = 0
+            state.samples_in_epoch = state.batches_in_epoch = state.lost_samples = 0
         state.epoch_complete = False
         self.data.begin(epoch, state.samples_in_epoch, state.batches_in_epoch)
         # iter() draws from the torch RNG. A checkpoint at an epoch end was taken before that
@@ -136,12 +138,14 @@ class Loop:
         optimizer.zero_grad(set_to_none=True)
         if not ahead:
             self.losses.end_window(applied)
+        # The position moves past a skipped update too: a peer that heals from this state
+        # (torchft) must start at the next update, as this rank does.
+        state.samples_in_epoch, state.batches_in_epoch = self.data.position(state.batch_idx + 1)
         if not applied:
             state.skipped_steps += 1
             return False
         state.global_step += 1
         self.world.board.update(step=state.global_step, phase="train")  # a second old at most
-        state.samples_in_epoch, state.batches_in_epoch = self.data.position(state.batch_idx + 1)
         self.strategy.after_step(state.global_step)  # e.g. local SGD's averaging
         self.progress.update()
         every = self.options.check_sync_every

@@ -9,6 +9,7 @@ rank waiting in a collective.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -76,8 +77,11 @@ class TrainerOptions:
             what = "'ddp', 'fsdp' or a strategy object"
             check_instance("strategy", given["strategy"], Strategy, what, "DDP(...)")
         given["strategy"] = resolve_strategy(given["strategy"])
+        index, count = given["strategy"].replica_group
         for name in ("save_path", "checkpoint_dir"):
             given[name] = check_path(name, given[name])
+            if given[name] is not None and count > 1:  # each group a job with its own files
+                given[name] = os.path.join(given[name], f"replica_group{index}")
         check_bool("fp16", given["fp16"])
         if given["fp16"] and given["amp"] not in (None, "fp16"):
             raise ValueError(

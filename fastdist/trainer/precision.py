@@ -42,9 +42,8 @@ class Precision:
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step the optimizer; return False when fp16 overflow made the scaler skip it."""
-        if self.scaler is None:
-            optimizer.step()
-            return True
+        if self.scaler is None:  # False: a fault-tolerant update torchft did not commit
+            return optimizer.step() is not False
         scale = self.scaler.get_scale()
         self.scaler.step(optimizer)
         self.scaler.update()

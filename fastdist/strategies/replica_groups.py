@@ -1,0 +1,282 @@
+"""Replica groups under torchft (``DDP(fault_tolerant=True)``): per-step fault tolerance.
+
+Each replica group is a job of its own (one torchrun) that joins a torchft Lighthouse. Every
+update starts with a torchft quorum (:meth:`ReplicaGroups.start_update`), its gradients are
+averaged over the groups in the quorum by torchft's DDP and ``ProcessGroupGloo``, and it is
+applied only where torchft's ``should_commit`` agrees (:class:`Gated`). A group that joins or
+falls behind receives every checkpoint part of a healthy group through torchft's checkpoint
+transport (the same ``state_dict`` contract as a checkpoint on disk; nothing is read from disk).
+
+The launch says which group a process belongs to: ``FASTDIST_REPLICA_GROUP`` (its index, from
+0), ``FASTDIST_REPLICA_GROUPS`` (how many the job has) and ``TORCHFT_LIGHTHOUSE`` (the
+Lighthouse's URL); ``python -m fastdist ft`` sets them.
+
+Accounting: an update's samples count when it is committed. Every replica group trains its
+own shard of each epoch, slot by slot; a slot whose update a group did not commit (it was
+dead, healing, or the update failed) is not trained again: its samples are counted as lost in
+``TrainerState.lost_samples`` (per epoch), logged at the epoch's end.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import weakref
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+from torch import nn
+
+from fastdist.logging import logger
+from fastdist.state import TrainerState
+
+GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR = (
+    "FASTDIST_REPLICA_GROUP",
+    "FASTDIST_REPLICA_GROUPS",
+    "TORCHFT_LIGHTHOUSE",
+)
+LAUNCH_HINT = (
+    "launch the groups with python -m fastdist ft --groups N SCRIPT (or set "
+    f"{GROUP_VAR}, {GROUPS_VAR} and {LIGHTHOUSE_VAR} for each group's torchrun)"
+)
+
+
+def replica_group_from_env() -> tuple[int, int]:
+    """``(index, count)`` of this process's replica group, from the launch's environment;
+    raise naming the variable when it is missing or wrong (alike on every process)."""
+    values = []
+    for name in (GROUP_VAR, GROUPS_VAR):
+        text = os.environ.get(name)
+        if text is None or not text.strip().isdigit():
+            raise ValueError(
+                f"DDP(fault_tolerant=True) needs {name} set to a number, got {text!r}: "
+                + LAUNCH_HINT
+            )
+        values.append(int(text))
+    index, count = values
+    if count < 1 or index >= count:
+        raise ValueError(
+            f"{GROUP_VAR}={index} must be below {GROUPS_VAR}={count} (groups 0..{count - 1})"
+        )
+    if not os.environ.get(LIGHTHOUSE_VAR):
+        raise ValueError(f"DDP(fault_tolerant=True) needs {LIGHTHOUSE_VAR}: " + LAUNCH_HINT)
+    return index, count
+
+
+def check_reachable(url: str, timeout: float) -> None:
+    """Raise if nothing listens at the Lighthouse's ``url`` (each process checks alike)."""
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    host, port = parsed.hostname or "localhost", parsed.port or 29510
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        raise RuntimeError(
+            f"no torchft Lighthouse answers at {LIGHTHOUSE_VAR}={url} ({exc}): start one "
+            "(torchft_lighthouse --min_replicas 1 --bind [::]:PORT) or " + LAUNCH_HINT
+        ) from None
+
+
+class ReplicaGroups:
+    """This process's place among the replica groups, and the torchft Manager that runs them.
+
+    Args:
+        index: this group's index, from 0.
+        count: how many replica groups the job has (the lost samples count against it).
+        min_replicas: the fewest groups that may commit an update.
+        timeout: seconds a quorum, a collective or a state transfer may take.
+    """
+
+    def __init__(self, index: int, count: int, min_replicas: int, timeout: float) -> None:
+        self.index, self.count = index, count
+        self.min_replicas, self.timeout = min_replicas, timeout
+        self.state: TrainerState | None = None
+        self.samples_per_update = 0
+        self.healed = False  # the state was just loaded from a peer
+        self.trained = count  # groups that committed the last update
+        self.joined = False  # a quorum was just formed by join()
+        self.manager: Any = None
+
+    def start(self, group_rank: int, group_size: int) -> Any:
+        """Join the Lighthouse: create torchft's Manager (over its ``ProcessGroupGloo`` and
+        HTTP checkpoint transport) for this group's rank ``group_rank`` of ``group_size``."""
+        from torchft import Manager, ProcessGroupGloo
+
+        lighthouse = os.environ[LIGHTHOUSE_VAR]
+        check_reachable(lighthouse, min(self.timeout, 10.0))
+        limit = timedelta(seconds=self.timeout)
+        store_addr, store_port = _store()
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=limit),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=self.min_replicas,
+            use_async_quorum=False,  # heal before the update's forward, on the main thread
+            timeout=limit,
+            quorum_timeout=limit,
+            connect_timeout=limit,
+            rank=group_rank,
+            world_size=group_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=lighthouse,
+            replica_id=f"fastdist_{self.index}",  # torchft reads the index from its digits
+        )
+        weakref.finalize(self, self.manager.shutdown, wait=False)  # leave the Lighthouse
+        return self.manager
+
+    def share(self, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
+        """Send ``state_dict()`` to a group that heals from this one; heal with
+        ``load_state_dict`` (the checkpointer's parts)."""
+
+        def load(state: Any) -> None:
+            load_state_dict(state)
+            self.healed = True
+
+        self.manager.register_state_dict_fn("fastdist", load, state_dict)
+
+    def bind(self, state: TrainerState, samples_per_update: int) -> None:
+        """Count lost samples into ``state``; an update of this group trains
+        ``samples_per_update`` samples."""
+        self.state, self.samples_per_update = state, samples_per_update
+
+    def join(self) -> str | None:
+        """The first quorum, before training: heal from a peer if one is ahead; return where
+        the state came from (``None``: this group's own)."""
+        self.start_update()
+        self.joined = True  # the first update needs no quorum of its own
+        healed, self.healed = self.healed, False
+        return f"a peer replica group at step {self.manager.current_step()}" if healed else None
+
+    def start_update(self) -> None:
+        """A quorum before an update's forward: reconfigure the groups, heal if behind."""
+        if self.joined:
+            self.joined = False
+            return
+        try:
+            self.manager.start_quorum()
+        except Exception as exc:  # torchft's quorum call to the Lighthouse, bounded by timeout
+            raise RuntimeError(
+                f"replica group {self.index} got no torchft quorum within {self.timeout:g} s "
+                f"({type(exc).__name__}: {exc}): is the Lighthouse at "
+                f"{LIGHTHOUSE_VAR}={os.environ[LIGHTHOUSE_VAR]} still running? Restart the job "
+                "(with save_path set, it resumes from the newest checkpoints)"
+            ) from exc
+        ranks = list(getattr(self.manager._pg, "_global_ranks", None) or [])
+        if len(set(ranks)) != len(ranks):
+            reused = sorted({r for r in ranks if ranks.count(r) > 1})
+            raise ValueError(
+                f"{GROUP_VAR} {reused} is used by more than one replica group in this quorum: "
+                f"give each group its own index 0..{self.count - 1}"
+            )
+
+    def commit(self) -> bool:
+        """torchft's ``should_commit`` for this update; count the samples it lost."""
+        committed = bool(self.manager.should_commit())
+        trained = self.manager.num_participants() if committed else 0
+        lost = max(self.count - trained, 0) * self.samples_per_update
+        if self.state is not None:
+            self.state.lost_samples += lost
+            if trained != self.trained:  # logged as it changes, not at every update
+                logger.warning(
+                    "update %d: %d of %d replica groups committed it (%d samples lost)",
+                    self.state.global_step + 1,
+                    trained,
+                    self.count,
+                    lost,
+                )
+        self.trained = trained
+        return committed
+
+    def state_dict(self) -> dict[str, int]:
+        """torchft's step and committed batches: a disk checkpoint resumes them."""
+        return dict(self.manager.state_dict())
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.manager.load_state_dict(state)
+
+
+def wrap_model(manager: Any, model: nn.Module) -> nn.Module:
+    """``model`` under torch's DistributedDataParallel whose gradients are averaged over the
+    quorum's groups by torchft's ``Manager.allreduce``, as torchft's own DDP wrapper does (a
+    dummy process group for DDP's own start-up broadcast; buckets never rebuilt). Its hook
+    is not torchft's: in torchft 0.2.0 that one fails an assertion in the backward pass when
+    a peer dies during the all-reduce, where the update must only be left uncommitted."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torchft.process_group import ProcessGroupDummy
+
+    ddp = DistributedDataParallel(
+        model, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True
+    )
+    ddp.register_comm_hook(manager, _all_reduce)
+    return ddp
+
+
+def _all_reduce(manager, bucket):
+    """Average ``bucket`` (a ``dist.GradBucket``) over the quorum; return a done future. A
+    failure is reported to the Manager (the update is then not committed), not raised.
+    Unannotated: DDP checks a hook's annotations, and this module's are strings."""
+    buffer = bucket.buffer()
+    manager.allreduce(buffer).wait()
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(buffer)
+    return done
+
+
+class Gated(torch.optim.Optimizer):
+    """``optimizer`` stepped only when torchft commits the update (``step`` returns whether
+    it did); everything else is the wrapped optimizer's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: ReplicaGroups) -> None:
+        self.optim, self.groups = optimizer, groups
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optim.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optim.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optim.defaults
+
+    def step(self, closure: Any = None) -> bool:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("DDP(fault_tolerant=True) takes optimizers without a closure")
+        if not self.groups.commit():
+            return False
+        self.optim.step()
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optim.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optim.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"Gated({self.optim!r})"
+
+
+def _store() -> tuple[str, int]:
+    """The group's TCPStore (torchrun's; one process alone gets one of its own)."""
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    _STORES.append(store)  # kept alive with the process
+    return "127.0.0.1", int(store.port)
+
+
+_STORES: list[Any] = []

@@ -1,0 +1,251 @@
+"""Per-step fault tolerance on torchft (``DDP(fault_tolerant=True)``), with real processes.
+
+One launch of ``python -m fastdist ft`` (a Lighthouse and 2 replica groups of one process, on
+127.0.0.1) in which group 1 SIGKILLs itself after a seeded update: group 0 trains on alone,
+torchrun restarts group 1, which heals from group 0 and trains to the end with it. Then bad
+input: a replica index used twice (two processes, the Lighthouse started here and stopped by
+PID); in process, no Lighthouse and missing launch variables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launch import TESTS_DIR, Launch, free_port, run_together, started
+from torch.utils.data import TensorDataset
+
+from fastdist import DistTrainer
+from fastdist.strategies import DDP
+from fastdist.strategies.replica_groups import GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR
+
+pytest.importorskip("torchft")
+
+WORKER = TESTS_DIR / "workers" / "ft_worker.py"
+KILL_STEP = random.Random(33).randint(6, 10)  # seeded: the same update on every run
+SAMPLES = 64  # ft_worker's dataset
+BATCH = 2  # per group and update
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The run in which group 1 was killed after KILL_STEP."""
+    return _killed_run(tmp_path_factory.mktemp("ft-killed"))
+
+
+def _killed_run(out: Path, *args: str) -> dict[str, Any]:
+    """Run 2 groups, group 1 killed at KILL_STEP: each attempt's updates, as committed
+    (``<name>.jsonl``), and its end (``<name>.json``; a killed attempt has none)."""
+    cli = [sys.executable, "-m", "fastdist", "ft", "--groups", "2", "--max-restarts", "1"]
+    cli += ["--heartbeat-timeout-ms", "1000", str(WORKER), "--", str(out), "1", str(KILL_STEP)]
+    (result,) = run_together([Launch([*cli, *args])], timeout=150)
+    assert result.returncode == 0, result.describe()
+    records: dict[str, Any] = {"output": result.output}
+    for path in out.glob("*.jsonl"):
+        records[path.stem] = {"updates": [json.loads(line) for line in path.open()]}
+    for path in out.glob("*.json"):
+        records[path.stem].update(json.loads(path.read_text()))
+    return records
+
+
+@pytest.mark.slow
+def test_survivor_never_stops_and_the_killed_group_heals(killed: dict[str, Any]) -> None:
+    output = killed["output"]
+    # Group 1's first attempt died at KILL_STEP (no end record); group 0 ran once, to the end.
+    assert set(killed) == {"group0.attempt0", "group1.attempt0", "group1.attempt1", "output"}
+    assert "params" not in killed["group1.attempt0"]
+    died = killed["group1.attempt0"]["updates"][-1]["step"]
+    assert died == KILL_STEP, output
+    alive, healed = killed["group0.attempt0"], killed["group1.attempt1"]
+    steps = [u["step"] for u in alive["updates"]]
+    assert steps == list(range(steps[0], alive["steps"] + 1)), output  # its count went on
+    groups = [u["groups"] for u in alive["updates"]]
+    alone = [i for i, g in enumerate(groups) if g == 1 and steps[i] > KILL_STEP]
+    assert alone, f"group 0 never trained alone after the kill: {groups}\n{output}"
+    assert 2 in groups[alone[-1] :], f"group 1 never rejoined: {groups}\n{output}"
+    times = [u["t"] for u in alive["updates"]]
+    assert max(b - a for a, b in zip(times, times[1:], strict=False)) < 15, "group 0 stalled"
+    # The restarted group healed from group 0 (no disk checkpoint: none was written).
+    healed_steps = [u["step"] for u in healed["updates"]]
+    assert healed_steps[0] > KILL_STEP + 1, healed_steps
+    assert healed_steps == list(range(healed_steps[0], alive["steps"] + 1))
+    assert f"resumed from a peer replica group at step {healed_steps[0] - 1}" in output
+    assert healed["params"] == alive["params"]  # bit for bit: the same averaged gradients
+
+
+@pytest.mark.slow
+def test_every_sample_is_trained_or_counted_lost(killed: dict[str, Any]) -> None:
+    """The rule: each epoch's samples went into a committed update, or are counted lost."""
+    _check_accounting(killed)
+
+
+@pytest.mark.long
+def test_a_kill_inside_an_update_loses_it_on_every_group(tmp_path: Path) -> None:
+    """Group 1 dies before update KILL_STEP's all-reduce: group 0's fails, torchft commits
+    it nowhere, and its slot's samples count as lost; then as after a kill between updates."""
+    run = _killed_run(tmp_path, "--in-backward")
+    alive = run["group0.attempt0"]
+    assert alive["skipped"] >= 1, run["output"]  # the update no group committed
+    assert run["group1.attempt1"]["params"] == alive["params"]
+    _check_accounting(run)
+
+
+def _check_accounting(run: dict[str, Any]) -> None:
+    """Each epoch's samples: in an update some group committed, or counted lost."""
+    updates = {}  # step -> the update, as any group that committed it recorded it
+    for name in ("group0.attempt0", "group1.attempt0", "group1.attempt1"):
+        updates.update({u["step"]: u for u in run[name]["updates"]})
+    alive = run["group0.attempt0"]
+    assert sorted(updates) == list(range(1, alive["steps"] + 1))
+    for epoch, counts in alive["epochs"].items():
+        trained = sum(u["groups"] * BATCH for u in updates.values() if u["epoch"] == int(epoch))
+        assert trained + counts["lost"] == SAMPLES, (epoch, trained, counts)
+    assert sum(c["lost"] for c in alive["epochs"].values()) > 0
+    assert "samples lost" in run["output"]
+
+
+@contextlib.contextmanager
+def _lighthouse(min_replicas: int) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A torchft Lighthouse on a free port: its URL and process, stopped by its PID."""
+    port = free_port()
+    binary = Path(sys.executable).parent / "torchft_lighthouse"
+    proc = subprocess.Popen(
+        [str(binary), f"--min_replicas={min_replicas}", f"--bind=[::]:{port}"]
+        + ["--join_timeout_ms=1000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield f"http://localhost:{port}", proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[str]:
+    """A torchft Lighthouse for 2 groups."""
+    with _lighthouse(min_replicas=2) as (url, _):
+        yield url
+
+
+@pytest.mark.long
+def test_a_replica_index_used_twice_fails_on_both(lighthouse: str, tmp_path: Path) -> None:
+    twice = {GROUP_VAR: "0", GROUPS_VAR: "2", LIGHTHOUSE_VAR: lighthouse}
+    cmd = [sys.executable, str(WORKER), str(tmp_path)]
+    for result in run_together([Launch(cmd, twice), Launch(cmd, twice)], 120):
+        assert result.returncode != 0
+        assert "FASTDIST_REPLICA_GROUP [0] is used by more than one" in result.output, (
+            result.describe()
+        )
+
+
+@pytest.mark.long
+def test_a_lost_lighthouse_ends_every_group_clearly(tmp_path: Path) -> None:
+    """The Lighthouse killed while 2 groups train: each fails within its timeout (30 s),
+    naming the Lighthouse; none hangs."""
+    with _lighthouse(min_replicas=1) as (url, lighthouse):
+        cmd = [sys.executable, str(WORKER), str(tmp_path), "--epochs", "100"]
+        env = {GROUP_VAR: "0", GROUPS_VAR: "2", LIGHTHOUSE_VAR: url}
+        log = tmp_path / "group0.attempt0.jsonl"
+        with (
+            started(Launch(cmd, env), tmp_path / "0.log") as first,
+            started(Launch(cmd, {**env, GROUP_VAR: "1"}), tmp_path / "1.log") as second,
+        ):
+            deadline = time.monotonic() + 120
+            while not (log.exists() and len(log.read_text().splitlines()) >= 20):
+                assert time.monotonic() < deadline, first.output()
+                time.sleep(0.2)
+            lighthouse.kill()
+            killed_at = time.monotonic()
+            for group in (first, second):
+                group.proc.wait(timeout=90)
+                assert group.proc.returncode != 0
+                assert "got no torchft quorum within 30 s" in group.output(), group.output()
+            assert time.monotonic() - killed_at < 75
+
+
+def test_no_lighthouse_is_named(monkeypatch: pytest.MonkeyPatch, no_dist_env: None) -> None:
+    """One process is a whole replica group: its trainer refuses to start without one."""
+    url = f"http://localhost:{free_port()}"
+    for name, value in {GROUP_VAR: "0", GROUPS_VAR: "1", LIGHTHOUSE_VAR: url}.items():
+        monkeypatch.setenv(name, value)
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(RuntimeError, match=f"no torchft Lighthouse answers at {LIGHTHOUSE_VAR}"):
+        DistTrainer(
+            train_data=TensorDataset(torch.zeros(4, 2), torch.zeros(4, 1)),
+            model=model,
+            loss=torch.nn.MSELoss(),
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            strategy=DDP(fault_tolerant=True),
+            device="cpu",
+        )
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        ({GROUP_VAR: "0", LIGHTHOUSE_VAR: "http://x:1"}, "needs FASTDIST_REPLICA_GROUPS"),
+        ({GROUP_VAR: "2", GROUPS_VAR: "2", LIGHTHOUSE_VAR: "http://x:1"}, "must be below"),
+        ({GROUP_VAR: "0", GROUPS_VAR: "2"}, "needs TORCHFT_LIGHTHOUSE"),
+    ],
+)
+def test_launch_variables_are_checked(
+    env: dict[str, str], words: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in (GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=words):
+        DDP(fault_tolerant=True)
+    with pytest.raises(ValueError, match="leave comm_hook and average_every unset"):
+        DDP(fault_tolerant=True, comm_hook="fp16")
+
+
+def _ft_run(out: Path, *args: str) -> dict[str, Any]:
+    """``python -m fastdist ft`` of 2 groups that both must join (no update without both);
+    group 0's end record."""
+    out.mkdir()
+    cli = [sys.executable, "-m", "fastdist", "ft", "--groups", "2", "--min-replicas", "2"]
+    (result,) = run_together([Launch([*cli, str(WORKER), "--", str(out), *args])], 150)
+    assert result.returncode == 0, result.describe()
+    ends = [json.loads((out / f"group{g}.attempt0.json").read_text()) for g in (0, 1)]
+    assert ends[0]["params"] == ends[1]["params"]
+    return {**ends[0], "output": result.output}
+
+
+@pytest.mark.long
+def test_without_failures_two_groups_equal_one_process_and_disk_resume_works(
+    tmp_path: Path,
+) -> None:
+    """2 groups x batch 2 equal 1 process x batch 2 x update_every 2 (no sample lost); a
+    whole-job restart resumes each group from its own newest checkpoint on disk."""
+    straight = _ft_run(tmp_path / "straight", "--epochs", "2")
+    assert straight["epochs"] == {"1": {"lost": 0, "skipped": 0}, "2": {"lost": 0, "skipped": 0}}
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    cmd = [sys.executable, str(WORKER), str(plain), "--plain", "--epochs", "2"]
+    (result,) = run_together([Launch(cmd)], 120)
+    assert result.returncode == 0, result.describe()
+    reference = json.loads((plain / "group0.attempt0.json").read_text())["params"]
+    assert torch.allclose(_flat(straight["params"]), _flat(reference), atol=1e-6)
+    save = str(tmp_path / "save")
+    _ft_run(tmp_path / "first", "--epochs", "1", "--save-path", save)
+    resumed = _ft_run(tmp_path / "resumed", "--epochs", "2", "--save-path", save)
+    for group in (0, 1):
+        assert f"replica_group{group}/checkpoints" in resumed["output"]
+    assert resumed["params"] == straight["params"]
+
+
+def _flat(params: list[Any]) -> torch.Tensor:
+    return torch.cat([torch.tensor(p).flatten() for p in params])

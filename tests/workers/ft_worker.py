@@ -1,0 +1,119 @@
+"""One torchft replica group of a fault-tolerant run: ``ft_worker.py OUT_DIR [KILL_GROUP
+KILL_STEP [--in-backward]] [--epochs N] [--save-path DIR]``, launched by ``python -m fastdist
+ft`` (or with the replica variables set); ``--plain``: one process of plain DDP with
+update_every 2 instead.
+
+A linear model on 64 samples (batch 2 per group, 3 epochs) with ``DDP(fault_tolerant=True)``.
+Group KILL_GROUP SIGKILLs itself after update KILL_STEP on its first attempt (torchrun starts
+it again). The others, once training alone after that update, take 0.5 s per update (else
+0.05 s), so that they are still training when the killed group comes back. Every attempt
+appends its updates (step, epoch, participating groups, time) to
+``OUT_DIR/group<G>.attempt<A>.jsonl`` as they commit, and writes ``...json`` at the end: per
+epoch the lost samples and the updates skipped so far, the final parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from workers.ending import exit_now
+
+import fastdist
+from fastdist import DistTrainer
+from fastdist.callbacks import Callback
+from fastdist.strategies import DDP
+
+
+class Record(Callback):
+    """Records each update; kills this process after update ``kill_step`` if asked."""
+
+    def __init__(self, kill_step: int, killer: bool, log: Path, in_backward: bool) -> None:
+        self.kill_step, self.killer, self.log = kill_step, killer, log
+        self.in_backward = in_backward
+        self.epochs: dict[int, dict[str, int]] = {}
+
+    def on_step_end(self) -> None:
+        state, strategy = self.trainer.state, self.trainer.strategy
+        update = {"step": state.global_step, "epoch": state.epoch, "t": time.time()}
+        update["groups"] = strategy.torchft.manager.num_participants() if strategy.torchft else 1
+        with open(self.log, "a") as log:  # what a killed attempt did stays
+            log.write(json.dumps(update) + "\n")
+        if self.killer and state.global_step == self.kill_step and not self.in_backward:
+            os.kill(os.getpid(), signal.SIGKILL)
+        alone = update["groups"] == 1 and state.global_step > self.kill_step > 0
+        time.sleep(0.5 if alone else 0.05)
+
+    def on_backward_begin(self, loss: object) -> None:
+        """With ``in_backward``: die before update ``kill_step``'s all-reduce (the other
+        groups' all-reduce fails, so none commits it)."""
+        if (
+            self.killer
+            and self.in_backward
+            and self.trainer.state.global_step == self.kill_step - 1
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_epoch_end(self) -> None:
+        state = self.trainer.state  # skipped_steps: cumulative, uncommitted updates too
+        self.epochs[state.epoch] = {"lost": state.lost_samples, "skipped": state.skipped_steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("kill", type=int, nargs="*", help="KILL_GROUP KILL_STEP")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--save-path", default=None)
+    parser.add_argument("--plain", action="store_true", help="one process, DDP, update_every 2")
+    parser.add_argument("--in-backward", action="store_true", help="kill before the all-reduce")
+    args = parser.parse_args()
+    out = args.out
+    group = int(os.environ.get("FASTDIST_REPLICA_GROUP", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    kill_group, kill_step = args.kill if args.kill and attempt == 0 else (-1, -1)
+    fastdist.set_seed(0)
+    x = torch.randn(64, 4)
+    data = TensorDataset(x, x.sum(dim=1, keepdim=True))
+    model = nn.Linear(4, 1)
+    name = f"group{group}.attempt{attempt}"
+    record = Record(kill_step, group == kill_group, out / f"{name}.jsonl", args.in_backward)
+    trainer = DistTrainer(
+        train_data=data,
+        model=model,
+        loss=nn.MSELoss(),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        strategy=DDP(fault_tolerant=not args.plain),
+        callbacks_all=[record],
+        batch_size_per_gpu=2,
+        n_epochs=args.epochs,
+        update_every=2 if args.plain else 1,  # the same samples per update as 2 groups
+        save_path=args.save_path,
+        timeout=30,
+        print_every=1000,
+    )
+    start = time.time()
+    result = trainer.train()
+    (out / f"{name}.json").write_text(
+        json.dumps(
+            {
+                "start": start,
+                "epochs": record.epochs,
+                "steps": result["steps"],
+                "skipped": trainer.state.skipped_steps,
+                "params": [p.tolist() for p in model.parameters()],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
+    exit_now()
