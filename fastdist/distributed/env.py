@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from fastdist.distributed.bounded import STORE_WAIT_S, within
+from fastdist.distributed.bounded import STORE_WAIT_S, forget, within
 from fastdist.distributed.hang import enable_flight_recorder
 from fastdist.distributed.ray_train import ray_train_context, torchrun_env_from_ray
 from fastdist.distributed.slurm import apply_slurm_env
@@ -240,6 +240,7 @@ def init_distributed(
             "reach the rendezvous address; init_distributed(timeout=...) or DistTrainer's "
             "timeout= bounds the wait"
         ) from exc
+    forget()  # a store that did not answer before was another group's
     # The group is ours: tear it down at exit so torch does not warn about a leaked group.
     atexit.register(_destroy_if_initialized)
     return True
