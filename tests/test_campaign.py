@@ -1,8 +1,6 @@
 """The fault campaign's CI tier (tests/campaign.py has the long one): 10 seeded kills under DDP
-and FSDP in one ``torchrun --max-restarts=10`` launch and a full disk; a node lost and a network
-cut are in the long tier (``python -m pytest -m long tests/test_campaign.py``: a minute each,
-beyond CI's time). Every fault must be survived with nothing lost; the counts table is printed
-at the end.
+and FSDP in one ``torchrun --max-restarts=10`` launch, a full disk, a node lost and a network
+cut. Every fault must be survived with nothing lost; the counts table is printed at the end.
 
 ``FASTDIST_CAMPAIGN_SEED=N`` replays another seed (a failure names its seed and fault);
 ``FASTDIST_CAMPAIGN_TABLE=FILE`` writes the counts table (markdown) there too.
@@ -74,13 +72,11 @@ def test_a_full_disk_keeps_the_newest_intact_checkpoint(table: Table, tmp_path: 
     _other(table, "disk full", disk_full, tmp_path)
 
 
-@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_a_node_lost_shrinks_and_grows_the_job(table: Table, tmp_path: Path) -> None:
     _other(table, "node lost", node_lost, tmp_path)
 
 
-@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_a_network_cut_names_the_unreachable_rank_and_resumes(table: Table, tmp_path: Path) -> None:
     _other(table, "network cut", network_cut, tmp_path)
