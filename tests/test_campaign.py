@@ -1,8 +1,6 @@
 """The fault campaign's CI tier (tests/campaign.py has the long one): 10 seeded kills under DDP
-and FSDP in one ``torchrun --max-restarts=10`` launch and a full disk; a node lost and a network
-cut are in the long tier (``python -m pytest -m long tests/test_campaign.py``: a minute each,
-beyond CI's time). Every fault must be survived with nothing lost; the counts table is printed
-at the end.
+and FSDP in one ``torchrun --max-restarts=10`` launch, a full disk, a node lost and a network
+cut. Every fault must be survived with nothing lost; the counts table is printed at the end.
 
 ``FASTDIST_CAMPAIGN_SEED=N`` replays another seed (a failure names its seed and fault);
 ``FASTDIST_CAMPAIGN_TABLE=FILE`` writes the counts table (markdown) there too.
@@ -12,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -58,9 +57,21 @@ def test_seeded_kills_under_ddp_and_fsdp_resume_exactly(table: Table, tmp_path: 
     assert_survived(table, kinds)
 
 
-def _other(table: Table, kind: str, fault: Callable[[int, Path], Outcome], tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def waiting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Outcome]]]:
+    """The node loss and the network cut, started together: each mostly waits (for a
+    rendezvous, a timeout, a slowed worker), so side by side they take the time of one."""
+    faults = {"node lost": node_lost, "network cut": network_cut}
+    with ThreadPoolExecutor(len(faults)) as pool:
+        yield {
+            kind: pool.submit(fault, SEED, tmp_path_factory.mktemp(kind.replace(" ", "_")))
+            for kind, fault in faults.items()
+        }
+
+
+def _other(table: Table, kind: str, fault: Callable[[], Outcome]) -> None:
     try:
-        problems, lost = fault(SEED, tmp_path)
+        problems, lost = fault()
     except NeedsRoot as exc:
         if os.environ.get("CI"):
             pytest.fail(f"CI runs as root, yet: {exc}")
@@ -71,16 +82,18 @@ def _other(table: Table, kind: str, fault: Callable[[int, Path], Outcome], tmp_p
 
 @pytest.mark.timeout(300)
 def test_a_full_disk_keeps_the_newest_intact_checkpoint(table: Table, tmp_path: Path) -> None:
-    _other(table, "disk full", disk_full, tmp_path)
+    _other(table, "disk full", lambda: disk_full(SEED, tmp_path))
 
 
-@pytest.mark.long
 @pytest.mark.timeout(300)
-def test_a_node_lost_shrinks_and_grows_the_job(table: Table, tmp_path: Path) -> None:
-    _other(table, "node lost", node_lost, tmp_path)
+def test_a_node_lost_shrinks_and_grows_the_job(
+    table: Table, waiting: dict[str, Future[Outcome]]
+) -> None:
+    _other(table, "node lost", waiting["node lost"].result)
 
 
-@pytest.mark.long
 @pytest.mark.timeout(300)
-def test_a_network_cut_names_the_unreachable_rank_and_resumes(table: Table, tmp_path: Path) -> None:
-    _other(table, "network cut", network_cut, tmp_path)
+def test_a_network_cut_names_the_unreachable_rank_and_resumes(
+    table: Table, waiting: dict[str, Future[Outcome]]
+) -> None:
+    _other(table, "network cut", waiting["network cut"].result)

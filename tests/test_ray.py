@@ -49,6 +49,9 @@ def ray_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
         "RAY_AUTH_TOKEN": secrets.token_hex(32),  # Ray's token authentication, this cluster's
         "RAY_AUTH_MODE": "token",
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # Ray then keeps to 127.0.0.1
+        # Ray Train's controller looks at its workers every 2 s by default: each fit waited
+        # for that poll to see them start, end or die.
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
     }
     log = tmp_path_factory.mktemp("ray-head") / "head.log"
     with open(log, "wb") as err:

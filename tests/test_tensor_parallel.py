@@ -1,14 +1,14 @@
 """FSDP with tensor parallelism (``FSDP(tp=2, tp_plan=...)``) against DDP, in three launches.
 
 tests/workers/tp_worker.py, on 4 ranks: three bad setups (each must fail alike on every rank
-before the mesh exists), then a 2x2 mesh (dp_shard x tp) trained five times: plainly, with
-activation checkpointing, with amp="bf16", compiled block by block, and killed at update 3
-and resumed by torchrun (max_restarts=1). On 2 ranks: DDP, tp=2 alone (one data shard, twice
-the batch: the same global batch), a tiny Hugging Face Llama under its own plan and under DDP,
-FSDP compiled block by block and the 2x2 run's last checkpoint resumed on FSDP. On one
-process: that checkpoint on the plain model. Every run: AdamW, update_every=2, gradient
-clipping by global norm (the Llama: none). The 4- and 2-rank worlds also train a wider model
-to hold fastdist.estimate_memory to the peak memory measured.
+before the mesh exists), then a 2x2 mesh (dp_shard x tp) trained five times: killed at update 3
+and resumed by torchrun (max_restarts=1; first, so that the restart retrains only it), plainly,
+with activation checkpointing, with amp="bf16" and compiled block by block. On 2 ranks: DDP,
+tp=2 alone (one data shard, twice the batch: the same global batch), a tiny Hugging Face Llama
+under its own plan and under DDP, FSDP compiled block by block and the 2x2 run's last
+checkpoint resumed on FSDP. On one process: that checkpoint on the plain model. Every run:
+AdamW, update_every=2, gradient clipping by global norm (the Llama: none). The 4- and 2-rank
+worlds also train a wider model to hold fastdist.estimate_memory to the peak memory measured.
 """
 
 from __future__ import annotations

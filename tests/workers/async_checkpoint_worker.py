@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from workers.ending import exit_now
+from workers.ending import exit_from
 from workers.resume_worker import Faults, IdLog, build_trainer, flat_params, write_json
 
 import fastdist.checkpoint.checkpointer as checkpointer_module
@@ -162,4 +162,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main(sys.argv))
+    exit_from(lambda: main(sys.argv))

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workers.ending import exit_now
+from workers.ending import exit_from
 from workers.resume_worker import IdLog, build_trainer, full_params
 
 import fastdist
@@ -165,5 +165,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
-    exit_now()
+    exit_from(lambda: main(sys.argv[1:]))

@@ -30,7 +30,7 @@ import torch
 from pairwise import pairwise
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, Sampler
-from workers.ending import exit_now
+from workers.ending import exit_from
 from workers.trainer_worker import warnings_logged
 
 from fastdist import DDP, FSDP, CrossEntropyLoss, DistTrainer, LossMetric, Metric
@@ -331,5 +331,4 @@ def main(world: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
-    exit_now()
+    exit_from(lambda: main(sys.argv[1], Path(sys.argv[2])))

@@ -37,7 +37,7 @@ from typing import IO, Any, NamedTuple
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from workers.ending import exit_now
+from workers.ending import exit_from
 from workers.trainer_worker import CLASSES, DIM, ToyData
 
 from fastdist import DDP, Callback, CrossEntropyLoss, DistTrainer, get_rank
@@ -281,5 +281,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main(sys.argv))
-    exit_now()
+    exit_from(lambda: main(sys.argv))

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from workers.ending import exit_now
+from workers.ending import exit_from
 from workers.trainer_worker import make_trainer
 
 from fastdist import Callback, get_rank
@@ -53,5 +53,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
-    exit_now()
+    exit_from(lambda: main(Path(sys.argv[1])))
