@@ -4,7 +4,7 @@ One launch of ``python -m fastdist ft`` (a Lighthouse and 2 replica groups of on
 127.0.0.1) in which group 1 SIGKILLs itself after a seeded update: group 0 trains on alone,
 torchrun restarts group 1, which heals from group 0 and trains to the end with it. Then bad
 input: a replica index used twice (two processes, the Lighthouse started here and stopped by
-PID); in process, no Lighthouse and missing launch variables.
+PID), groups whose models differ; in process, no Lighthouse and missing launch variables.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch.utils.data import TensorDataset
 from fastdist import DistTrainer
 from fastdist.strategies import DDP
 from fastdist.strategies.replica_groups import GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR
+from fastdist.strategies.same_model import differences, signature
 
 pytest.importorskip("torchft")
 
@@ -210,6 +211,41 @@ def test_launch_variables_are_checked(
         DDP(fault_tolerant=True)
     with pytest.raises(ValueError, match="leave comm_hook and average_every unset"):
         DDP(fault_tolerant=True, comm_hook="fp16")
+
+
+def test_a_model_difference_is_named() -> None:
+    """What every group's error says when the groups' models differ (the worlds: below)."""
+    nn = torch.nn
+    linear = signature(nn.Sequential(nn.Linear(4, 1)).state_dict())
+    wider = signature(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1)).state_dict())
+    assert differences(wider, linear, "group 1", "group 0") == (
+        "0.bias is (3,) torch.float32 in group 1 and (1,) torch.float32 in group 0, "
+        "0.weight is (3, 4) torch.float32 in group 1 and (1, 4) torch.float32 in group 0, "
+        "1.bias only in group 1, 1.weight only in group 1"
+    )
+    many = signature({f"w{i}": torch.zeros(i) for i in range(8)})
+    assert differences(many, {}, "a", "b").endswith("w4 only in a (and 3 more)")
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("how", ["wider", "renamed"])
+def test_a_mismatched_model_fails_every_group_alike(how: str, tmp_path: Path) -> None:
+    """Group 1 builds another model (other shapes, or the same shapes under other names):
+    both groups fail at their first quorum together with one error naming the difference
+    (before: group 1 failed alone loading group 0's state, or trained on a renamed model)."""
+    cli = [sys.executable, "-m", "fastdist", "ft", "--groups", "2", "--min-replicas", "2"]
+    cli += ["--max-restarts", "0", str(WORKER), "--", str(tmp_path), "--odd-model", "1", how]
+    (result,) = run_together([Launch(cli)], 150)
+    assert result.returncode != 0, result.describe()
+    expected = {
+        "wider": "0.weight is (3, 4) torch.float32 in group 1 and (1, 4) torch.float32 in group 0",
+        "renamed": "0.bias only in group 0, 0.weight only in group 0, 1.bias only in group 1",
+    }[how]
+    errors = [line for line in result.output.splitlines() if line.startswith("ValueError")]
+    assert len(errors) == 2, result.describe()  # one from each group, the same
+    assert errors[0] == errors[1] and expected in errors[0], errors
+    assert "every replica group must build the same model" in errors[0]
+    assert not list(tmp_path.glob("*.json")), "a group trained to the end"
 
 
 def _ft_run(out: Path, *args: str) -> dict[str, Any]:

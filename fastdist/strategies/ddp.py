@@ -147,7 +147,7 @@ class DDP(Strategy):
         if self.fault_tolerant:
             index, count = self.replica_group
             self.torchft = ReplicaGroups(index, count, self.min_replicas, timeout or 60.0)
-            manager = self.torchft.start(group_rank=0, group_size=1)
+            manager = self.torchft.start(group_rank=0, group_size=1, model=model)
             self.peer = self.torchft
             self.module = wrap_model(manager, model)
             return Gated(optimizer, self.torchft)

@@ -74,6 +74,12 @@ def main() -> None:
     parser.add_argument("--save-path", default=None)
     parser.add_argument("--plain", action="store_true", help="one process, DDP, update_every 2")
     parser.add_argument("--in-backward", action="store_true", help="kill before the all-reduce")
+    parser.add_argument(
+        "--odd-model",
+        nargs=2,
+        metavar=("GROUP", "HOW"),
+        help="group GROUP's model differs from the others': 'wider' (shapes) or 'renamed'",
+    )
     args = parser.parse_args()
     out = args.out
     group = int(os.environ.get("FASTDIST_REPLICA_GROUP", "0"))
@@ -82,7 +88,7 @@ def main() -> None:
     fastdist.set_seed(0)
     x = torch.randn(64, 4)
     data = TensorDataset(x, x.sum(dim=1, keepdim=True))
-    model = nn.Linear(4, 1)
+    model = _model(args.odd_model[1] if args.odd_model and int(args.odd_model[0]) == group else "")
     name = f"group{group}.attempt{attempt}"
     record = Record(kill_step, group == kill_group, out / f"{name}.jsonl", args.in_backward)
     trainer = DistTrainer(
@@ -112,6 +118,15 @@ def main() -> None:
             }
         )
     )
+
+
+def _model(odd: str) -> nn.Module:
+    """The model: a linear one, or with ``odd`` one that differs in shapes or names."""
+    if odd == "wider":
+        return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))
+    if odd == "renamed":
+        return nn.Sequential(nn.Identity(), nn.Linear(4, 1))
+    return nn.Sequential(nn.Linear(4, 1), nn.Identity())
 
 
 if __name__ == "__main__":
