@@ -32,7 +32,14 @@ from torch import nn
 
 from fastdist.logging import logger
 from fastdist.state import TrainerState
-from fastdist.strategies.same_model import FIX, Signature, check_same, differences, signature
+from fastdist.strategies.same_model import (
+    FIX,
+    Signature,
+    agree,
+    check_same,
+    differences,
+    signature,
+)
 
 GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR = (
     "FASTDIST_REPLICA_GROUP",
@@ -200,6 +207,20 @@ class ReplicaGroups:
             raise ValueError(
                 f"replica group {self.index} cannot heal from a peer whose model differs: "
                 f"{self.odd_peer}: {FIX}"
+            )
+
+    def check_in_sync(self, replicas: list[tuple[str, torch.Tensor]], step: int) -> None:
+        """``check_sync_every`` across the groups in the quorum: raise alike on every group if
+        a checksum of their ``replicas`` differs after update ``step`` (skipped if the
+        collective fails: torchft reconfigures at the next quorum)."""
+        if not replicas or self.manager.num_participants() == 1:
+            return
+        sums = [(name, float(t.detach().double().sum())) for name, t in replicas]
+        if agree(self.manager, repr(sums))[0] is False:
+            raise RuntimeError(
+                f"the replica groups' parameters differ after update {step} "
+                "(check_sync_every): a group changed its model outside the updates (e.g. in a "
+                "callback), or healed from a peer wrongly; restart the job from a checkpoint"
             )
 
     def commit(self) -> bool:

@@ -1,5 +1,6 @@
 """Replica groups must train one model: compare the groups' models by parameter names,
-shapes and dtypes (:mod:`~fastdist.strategies.replica_groups` asks at every new quorum)."""
+shapes and dtypes (:mod:`~fastdist.strategies.replica_groups` asks at every new quorum), and
+their parameters (``check_sync_every``)."""
 
 from __future__ import annotations
 
@@ -44,18 +45,12 @@ def check_same(manager: Any, index: int, mine: Signature) -> bool:
     """Compare this group's model (``index``, ``mine``) with every group's in torchft's
     quorum (collectives of ``manager``): raise the same ``ValueError`` on every group if
     they differ. Return ``False`` if a collective failed (the Manager records it)."""
-    encoded = json.dumps(mine, sort_keys=True).encode()
-    digest = int.from_bytes(hashlib.sha256(encoded).digest()[:7], "big")
     payload = json.dumps([index, mine], sort_keys=True).encode()
-    # One small all-reduce: the largest and the smallest digest, the longest payload.
-    top = torch.tensor([digest, -digest, len(payload)], dtype=torch.int64)
-    manager.allreduce(top, reduce_op=ReduceOp.MAX).wait()
-    if manager.errored():
-        return False
-    if int(top[0]) == -int(top[1]):
-        return True
+    same, longest = agree(manager, json.dumps(mine, sort_keys=True), len(payload))
+    if same is not False:
+        return bool(same)
     # They differ: every group's payload, each in its row, so all name the same groups.
-    rows = torch.zeros(manager.num_participants(), int(top[2]), dtype=torch.uint8)
+    rows = torch.zeros(manager.num_participants(), longest, dtype=torch.uint8)
     rows[manager.participating_rank(), : len(payload)] = torch.frombuffer(
         bytearray(payload), dtype=torch.uint8
     )
@@ -70,3 +65,14 @@ def check_same(manager: Any, index: int, mine: Signature) -> bool:
         if groups[g] != groups[first]
     ]
     raise ValueError(f"replica groups build different models: {'; '.join(odd)}: {FIX}")
+
+
+def agree(manager: Any, text: str, size: int = 0) -> tuple[bool | None, int]:
+    """Whether every group in torchft's quorum holds the same ``text`` (one all-reduce of a
+    digest; ``None`` if it failed, as the Manager records), and the largest ``size``."""
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+    top = torch.tensor([digest, -digest, size], dtype=torch.int64)
+    manager.allreduce(top, reduce_op=ReduceOp.MAX).wait()
+    if manager.errored():
+        return None, 0
+    return int(top[0]) == -int(top[1]), int(top[2])
