@@ -5,7 +5,8 @@ ft`` (or with the replica variables set); ``--plain``: one process of plain DDP 
 update_every 2 instead.
 
 A linear model on 64 samples (batch 2 per group, 3 epochs) with ``DDP(fault_tolerant=True)``.
-Group KILL_GROUP SIGKILLs itself after update KILL_STEP on its first attempt (torchrun starts
+Group KILL_GROUP SIGKILLs itself after update KILL_STEP (or its first later one, if it joined
+late) on its first attempt (torchrun starts
 it again). The others, once training alone after that update, take 0.5 s per update (else
 0.05 s), so that they are still training when the killed group comes back. Every attempt
 appends its updates (step, epoch, participating groups, time) to
@@ -65,7 +66,7 @@ class Record(Callback):
         if (
             self.killer
             and self.in_backward
-            and self.trainer.state.global_step == self.kill_step - 1
+            and self.trainer.state.global_step >= self.kill_step - 1
         ):
             os.kill(os.getpid(), signal.SIGKILL)
 
