@@ -6,9 +6,9 @@ update_every 2 instead.
 
 A linear model on 64 samples (batch 2 per group, 3 epochs) with ``DDP(fault_tolerant=True)``.
 Group KILL_GROUP SIGKILLs itself after update KILL_STEP (or its first later one, if it joined
-late) on its first attempt (torchrun starts
-it again). The others, once training alone after that update, take 0.5 s per update (else
-0.05 s), so that they are still training when the killed group comes back. Every attempt
+late) on its first attempt (torchrun starts it again). The others, once training alone after
+that update, take 0.5 s per update (else 0.05 s), so that they are still training when the
+killed group comes back. Every attempt
 appends its updates (step, epoch, participating groups, time) to
 ``OUT_DIR/group<G>.attempt<A>.jsonl`` as they commit, and writes ``...json`` at the end: per
 epoch the lost samples and the updates skipped so far, the final parameters. With
