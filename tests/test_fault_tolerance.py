@@ -3,10 +3,10 @@
 One launch of ``python -m fastdist ft`` (a Lighthouse and 2 replica groups of one process, on
 127.0.0.1) in which group 1 SIGKILLs itself after a seeded update: group 0 trains on alone,
 torchrun restarts group 1, which heals from group 0 and trains to the end with it. Then bad
-input: a group of 2 processes; in the long tier a replica index used twice (two processes,
-the Lighthouse started here and stopped by PID), groups whose models differ; in process, no
-Lighthouse, missing launch variables, the words naming a model difference. The long tier also
-kills a group while it heals, and checks check_sync_every across groups apart.
+input, in process: no Lighthouse, missing launch variables, the words naming a model
+difference; in the long tier: a replica index used twice (two processes, the Lighthouse started
+here and stopped by PID), groups whose models differ, a group of 2 processes. The long tier
+also kills a group while it heals, and finds groups apart with check_sync_every.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def test_a_replica_index_used_twice_fails_on_both(lighthouse: str, tmp_path: Pat
         )
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 7 to 16 s here: over the default run's budget
 def test_a_group_of_two_processes_is_refused_on_both(tmp_path: Path) -> None:
     """One replica group launched as 2 torchrun processes: each refuses before training,
     naming what works today (one process per group)."""
