@@ -3,8 +3,10 @@
 One launch of ``python -m fastdist ft`` (a Lighthouse and 2 replica groups of one process, on
 127.0.0.1) in which group 1 SIGKILLs itself after a seeded update: group 0 trains on alone,
 torchrun restarts group 1, which heals from group 0 and trains to the end with it. Then bad
-input: a replica index used twice (two processes, the Lighthouse started here and stopped by
-PID); in process, no Lighthouse and missing launch variables.
+input, in process: no Lighthouse, missing launch variables, the words naming a model
+difference; in the long tier: a replica index used twice (two processes, the Lighthouse started
+here and stopped by PID), groups whose models differ, a group of 2 processes. The long tier
+also kills a group while it heals, and finds groups apart with check_sync_every.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.utils.data import TensorDataset
 from fastdist import DistTrainer
 from fastdist.strategies import DDP
 from fastdist.strategies.replica_groups import GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR
+from fastdist.strategies.same_model import differences, signature
 
 pytest.importorskip("torchft")
 
@@ -42,10 +45,11 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _killed_run(tmp_path_factory.mktemp("ft-killed"))
 
 
-def _killed_run(out: Path, *args: str) -> dict[str, Any]:
+def _killed_run(out: Path, *args: str, restarts: int = 1) -> dict[str, Any]:
     """Run 2 groups, group 1 killed at KILL_STEP: each attempt's updates, as committed
     (``<name>.jsonl``), and its end (``<name>.json``; a killed attempt has none)."""
-    cli = [sys.executable, "-m", "fastdist", "ft", "--groups", "2", "--max-restarts", "1"]
+    cli = [sys.executable, "-m", "fastdist", "ft", "--groups", "2"]
+    cli += ["--max-restarts", str(restarts)]
     cli += ["--heartbeat-timeout-ms", "1000", str(WORKER), "--", str(out), "1", str(KILL_STEP)]
     (result,) = run_together([Launch([*cli, *args])], timeout=150)
     assert result.returncode == 0, result.describe()
@@ -99,6 +103,40 @@ def test_a_kill_inside_an_update_loses_it_on_every_group(tmp_path: Path) -> None
     _check_accounting(run)
 
 
+@pytest.mark.long
+def test_a_kill_while_healing_recovers_and_check_sync_agrees(tmp_path: Path) -> None:
+    """Group 1, killed at KILL_STEP, is killed again while it loads group 0's state (its
+    second attempt): group 0 trains on; the third attempt heals and trains to the end with
+    it, and check_sync_every (every 2 updates, across the groups) finds them equal."""
+    run = _killed_run(tmp_path, "--kill-healing", "--epochs", "6", "--check-sync", "2", restarts=2)
+    output = run["output"]
+    assert "params" not in run["group1.attempt0"], output  # killed at KILL_STEP or later
+    # It died while it loaded the peer's state (no disk checkpoint: it was healing).
+    assert run["group1.attempt1"] == {"updates": [{"healing": True}]}, output
+    alive, healed = run["group0.attempt0"], run["group1.attempt2"]
+    steps = [u["step"] for u in alive["updates"]]
+    assert steps == list(range(steps[0], alive["steps"] + 1)), output  # it never stopped
+    healed_steps = [u["step"] for u in healed["updates"]]
+    assert healed_steps == list(range(healed_steps[0], alive["steps"] + 1)), output
+    assert sum(u["groups"] == 2 for u in healed["updates"]) >= 2, output  # checked together
+    assert healed["params"] == alive["params"]
+    assert "parameters differ" not in output
+
+
+@pytest.mark.long
+def test_check_sync_every_finds_groups_apart_on_every_group(tmp_path: Path) -> None:
+    """Group 1 changes its model after update 3 (as a callback on one group could):
+    check_sync_every 2 stops both groups at update 4, each naming it (before: each group
+    compared its own process only, and they trained on apart)."""
+    cli = [sys.executable, "-m", "fastdist", "ft", "--groups", "2", "--min-replicas", "2"]
+    cli += ["--max-restarts", "0", str(WORKER), "--", str(tmp_path), "--check-sync", "2"]
+    (result,) = run_together([Launch([*cli, "--nudge", "3"])], 150)
+    assert result.returncode != 0, result.describe()
+    errors = [line for line in result.output.splitlines() if line.startswith("RuntimeError")]
+    assert len(errors) == 2, result.describe()
+    assert all("the replica groups' parameters differ after update 4" in e for e in errors)
+
+
 def _check_accounting(run: dict[str, Any]) -> None:
     """Each epoch's samples: in an update some group committed, or counted lost."""
     updates = {}  # step -> the update, as any group that committed it recorded it
@@ -147,6 +185,19 @@ def test_a_replica_index_used_twice_fails_on_both(lighthouse: str, tmp_path: Pat
         assert "FASTDIST_REPLICA_GROUP [0] is used by more than one" in result.output, (
             result.describe()
         )
+
+
+@pytest.mark.long  # 7 to 16 s here: over the default run's budget
+def test_a_group_of_two_processes_is_refused_on_both(tmp_path: Path) -> None:
+    """One replica group launched as 2 torchrun processes: each refuses before training,
+    naming what works today (one process per group)."""
+    env = {GROUP_VAR: "0", GROUPS_VAR: "1", LIGHTHOUSE_VAR: f"http://localhost:{free_port()}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    (result,) = run_together([Launch([*cmd, str(WORKER), str(tmp_path)], env)], 120)
+    assert result.returncode != 0
+    refusal = "DDP(fault_tolerant=True) runs replica groups of one process, but this group has 2"
+    assert result.output.count(refusal) >= 2, result.describe()  # on each rank
+    assert "Groups of several processes (FSDP within a group" in result.output
 
 
 @pytest.mark.long
@@ -210,6 +261,41 @@ def test_launch_variables_are_checked(
         DDP(fault_tolerant=True)
     with pytest.raises(ValueError, match="leave comm_hook and average_every unset"):
         DDP(fault_tolerant=True, comm_hook="fp16")
+
+
+def test_a_model_difference_is_named() -> None:
+    """What every group's error says when the groups' models differ (the worlds: below)."""
+    nn = torch.nn
+    linear = signature(nn.Sequential(nn.Linear(4, 1)).state_dict())
+    wider = signature(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1)).state_dict())
+    assert differences(wider, linear, "group 1", "group 0") == (
+        "0.bias is (3,) torch.float32 in group 1 and (1,) torch.float32 in group 0, "
+        "0.weight is (3, 4) torch.float32 in group 1 and (1, 4) torch.float32 in group 0, "
+        "1.bias only in group 1, 1.weight only in group 1"
+    )
+    many = signature({f"w{i}": torch.zeros(i) for i in range(8)})
+    assert differences(many, {}, "a", "b").endswith("w4 only in a (and 3 more)")
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("how", ["wider", "renamed"])
+def test_a_mismatched_model_fails_every_group_alike(how: str, tmp_path: Path) -> None:
+    """Group 1 builds another model (other shapes, or the same shapes under other names):
+    both groups fail at their first quorum together with one error naming the difference
+    (before: group 1 failed alone loading group 0's state, or trained on a renamed model)."""
+    cli = [sys.executable, "-m", "fastdist", "ft", "--groups", "2", "--min-replicas", "2"]
+    cli += ["--max-restarts", "0", str(WORKER), "--", str(tmp_path), "--odd-model", "1", how]
+    (result,) = run_together([Launch(cli)], 150)
+    assert result.returncode != 0, result.describe()
+    expected = {
+        "wider": "0.weight is (3, 4) torch.float32 in group 1 and (1, 4) torch.float32 in group 0",
+        "renamed": "0.bias only in group 0, 0.weight only in group 0, 1.bias only in group 1",
+    }[how]
+    errors = [line for line in result.output.splitlines() if line.startswith("ValueError")]
+    assert len(errors) == 2, result.describe()  # one from each group, the same
+    assert errors[0] == errors[1] and expected in errors[0], errors
+    assert "every replica group must build the same model" in errors[0]
+    assert not list(tmp_path.glob("*.json")), "a group trained to the end"
 
 
 def _ft_run(out: Path, *args: str) -> dict[str, Any]:

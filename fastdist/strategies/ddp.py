@@ -118,7 +118,9 @@ class DDP(Strategy):
             raise ValueError(
                 f"DDP(fault_tolerant=True) runs replica groups of one process, but this group "
                 f"has {get_world_size()}: start one process per group "
-                "(python -m fastdist ft --groups N SCRIPT)"
+                "(python -m fastdist ft --groups N SCRIPT). Groups of several processes "
+                "(FSDP within a group, torchft across groups) are not supported yet; for "
+                "those, use FSDP(replicate=...) without fault tolerance"
             )
 
     def setup(
@@ -147,7 +149,7 @@ class DDP(Strategy):
         if self.fault_tolerant:
             index, count = self.replica_group
             self.torchft = ReplicaGroups(index, count, self.min_replicas, timeout or 60.0)
-            manager = self.torchft.start(group_rank=0, group_size=1)
+            manager = self.torchft.start(group_rank=0, group_size=1, model=model)
             self.peer = self.torchft
             self.module = wrap_model(manager, model)
             return Gated(optimizer, self.torchft)
@@ -224,11 +226,15 @@ class DDP(Strategy):
 
     def replicas(self, step: int) -> list[tuple[str, torch.Tensor]]:
         """The parameters, where they must agree: always, or under local SGD only during the
-        warm-up and right after an averaging."""
+        warm-up and right after an averaging. Fault tolerant, they are compared across the
+        replica groups here (this group's ranks compare them as ever)."""
         every = self.average_every
         if self.local_sgd is not None and step > every and step % every:
             return []
-        return super().replicas(step)
+        params = super().replicas(step)
+        if self.torchft is not None:
+            self.torchft.check_in_sync(params, step)
+        return params
 
     def checkpoint_parts(self) -> list[tuple[str, Any, str]]:
         parts = super().checkpoint_parts()

@@ -32,6 +32,14 @@ from torch import nn
 
 from fastdist.logging import logger
 from fastdist.state import TrainerState
+from fastdist.strategies.same_model import (
+    FIX,
+    Signature,
+    agree,
+    check_same,
+    differences,
+    signature,
+)
 
 GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR = (
     "FASTDIST_REPLICA_GROUP",
@@ -98,11 +106,17 @@ class ReplicaGroups:
         self.trained = count  # groups that committed the last update
         self.joined = False  # a quorum was just formed by join()
         self.manager: Any = None
+        self.model: Signature = {}
+        self.checked = -1  # the last quorum whose groups were found to hold the same model
+        self.odd_peer = ""  # how a peer's model that this group did not heal from differs
 
-    def start(self, group_rank: int, group_size: int) -> Any:
+    def start(self, group_rank: int, group_size: int, model: nn.Module) -> Any:
         """Join the Lighthouse: create torchft's Manager (over its ``ProcessGroupGloo`` and
-        HTTP checkpoint transport) for this group's rank ``group_rank`` of ``group_size``."""
+        HTTP checkpoint transport) for this group's rank ``group_rank`` of ``group_size``;
+        every new quorum checks that its groups hold the same ``model``."""
         from torchft import Manager, ProcessGroupGloo
+
+        self.model = signature(model.state_dict())
 
         lighthouse = os.environ[LIGHTHOUSE_VAR]
         check_reachable(lighthouse, min(self.timeout, 10.0))
@@ -132,6 +146,12 @@ class ReplicaGroups:
         ``load_state_dict`` (the checkpointer's parts)."""
 
         def load(state: Any) -> None:
+            # A peer's model that differs is not loaded: start_update names the difference
+            # on every group (a load error would end this group alone, for a reason it hides).
+            theirs = signature(state["model"])  # the strategy's part (Strategy.checkpoint_parts)
+            if theirs != self.model:
+                self.odd_peer = differences(self.model, theirs, "this group", "the peer")
+                return
             load_state_dict(state)
             self.healed = True
 
@@ -170,6 +190,37 @@ class ReplicaGroups:
             raise ValueError(
                 f"{GROUP_VAR} {reused} is used by more than one replica group in this quorum: "
                 f"give each group its own index 0..{self.count - 1}"
+            )
+        self._check_model()
+
+    def _check_model(self) -> None:
+        """At a new quorum: raise alike on every group in it if their models differ."""
+        quorum = self.manager._quorum_id
+        alone = self.manager.num_participants() == 1
+        if (
+            quorum != self.checked
+            and not alone
+            and check_same(self.manager, self.index, self.model)
+        ):
+            self.checked = quorum
+        if self.odd_peer:  # the check could not run (a peer failed), or missed it
+            raise ValueError(
+                f"replica group {self.index} cannot heal from a peer whose model differs: "
+                f"{self.odd_peer}: {FIX}"
+            )
+
+    def check_in_sync(self, replicas: list[tuple[str, torch.Tensor]], step: int) -> None:
+        """``check_sync_every`` across the groups in the quorum: raise alike on every group if
+        a checksum of their ``replicas`` differs after update ``step`` (skipped if the
+        collective fails: torchft reconfigures at the next quorum)."""
+        if not replicas or self.manager.num_participants() == 1:
+            return
+        sums = [(name, float(t.detach().double().sum())) for name, t in replicas]
+        if agree(self.manager, repr(sums))[0] is False:
+            raise RuntimeError(
+                f"the replica groups' parameters differ after update {step} "
+                "(check_sync_every): a group changed its model outside the updates (e.g. in a "
+                "callback), or healed from a peer wrongly; restart the job from a checkpoint"
             )
 
     def commit(self) -> bool:

@@ -1,15 +1,18 @@
 """One torchft replica group of a fault-tolerant run: ``ft_worker.py OUT_DIR [KILL_GROUP
-KILL_STEP [--in-backward]] [--epochs N] [--save-path DIR]``, launched by ``python -m fastdist
+KILL_STEP [--in-backward | --kill-healing]] [--epochs N] [--save-path DIR] [--check-sync N]
+[--odd-model GROUP HOW] [--nudge STEP]``, launched by ``python -m fastdist
 ft`` (or with the replica variables set); ``--plain``: one process of plain DDP with
 update_every 2 instead.
 
 A linear model on 64 samples (batch 2 per group, 3 epochs) with ``DDP(fault_tolerant=True)``.
-Group KILL_GROUP SIGKILLs itself after update KILL_STEP on its first attempt (torchrun starts
-it again). The others, once training alone after that update, take 0.5 s per update (else
-0.05 s), so that they are still training when the killed group comes back. Every attempt
+Group KILL_GROUP SIGKILLs itself after update KILL_STEP (or its first later one, if it joined
+late) on its first attempt (torchrun starts it again). The others, once training alone after
+that update, take 0.5 s per update (else 0.05 s), so that they are still training when the
+killed group comes back. Every attempt
 appends its updates (step, epoch, participating groups, time) to
 ``OUT_DIR/group<G>.attempt<A>.jsonl`` as they commit, and writes ``...json`` at the end: per
-epoch the lost samples and the updates skipped so far, the final parameters.
+epoch the lost samples and the updates skipped so far, the final parameters. With
+``--kill-healing`` its second attempt dies too, while it loads a peer's state (heals).
 """
 
 from __future__ import annotations
@@ -35,9 +38,12 @@ from fastdist.strategies import DDP
 class Record(Callback):
     """Records each update; kills this process after update ``kill_step`` if asked."""
 
-    def __init__(self, kill_step: int, killer: bool, log: Path, in_backward: bool) -> None:
+    def __init__(
+        self, kill_step: int, killer: bool, log: Path, in_backward: bool, heal_killer: bool
+    ) -> None:
         self.kill_step, self.killer, self.log = kill_step, killer, log
-        self.in_backward = in_backward
+        self.in_backward, self.heal_killer = in_backward, heal_killer
+        self.nudge = 0  # change the model after this update (a bug on one group)
         self.epochs: dict[int, dict[str, int]] = {}
 
     def on_step_end(self) -> None:
@@ -46,7 +52,10 @@ class Record(Callback):
         update["groups"] = strategy.torchft.manager.num_participants() if strategy.torchft else 1
         with open(self.log, "a") as log:  # what a killed attempt did stays
             log.write(json.dumps(update) + "\n")
-        if self.killer and state.global_step == self.kill_step and not self.in_backward:
+        if state.global_step == self.nudge:
+            with torch.no_grad():
+                next(self.trainer.strategy.model.parameters()).add_(1.0)
+        if self.killer and state.global_step >= self.kill_step and not self.in_backward:
             os.kill(os.getpid(), signal.SIGKILL)
         alone = update["groups"] == 1 and state.global_step > self.kill_step > 0
         time.sleep(0.5 if alone else 0.05)
@@ -57,8 +66,18 @@ class Record(Callback):
         if (
             self.killer
             and self.in_backward
-            and self.trainer.state.global_step == self.kill_step - 1
+            and self.trainer.state.global_step >= self.kill_step - 1
         ):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"kept": 1}  # a part of the state a healing group loads
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """With ``heal_killer``: die while loading the state of a peer (healing)."""
+        if self.heal_killer:
+            with open(self.log, "a") as log:
+                log.write(json.dumps({"healing": True}) + "\n")
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_epoch_end(self) -> None:
@@ -74,6 +93,17 @@ def main() -> None:
     parser.add_argument("--save-path", default=None)
     parser.add_argument("--plain", action="store_true", help="one process, DDP, update_every 2")
     parser.add_argument("--in-backward", action="store_true", help="kill before the all-reduce")
+    parser.add_argument(
+        "--kill-healing", action="store_true", help="kill KILL_GROUP again while it heals"
+    )
+    parser.add_argument("--check-sync", type=int, default=0, help="check_sync_every")
+    parser.add_argument("--nudge", type=int, default=0, help="group 1 changes its model then")
+    parser.add_argument(
+        "--odd-model",
+        nargs=2,
+        metavar=("GROUP", "HOW"),
+        help="group GROUP's model differs from the others': 'wider' (shapes) or 'renamed'",
+    )
     args = parser.parse_args()
     out = args.out
     group = int(os.environ.get("FASTDIST_REPLICA_GROUP", "0"))
@@ -82,9 +112,12 @@ def main() -> None:
     fastdist.set_seed(0)
     x = torch.randn(64, 4)
     data = TensorDataset(x, x.sum(dim=1, keepdim=True))
-    model = nn.Linear(4, 1)
+    model = _model(args.odd_model[1] if args.odd_model and int(args.odd_model[0]) == group else "")
     name = f"group{group}.attempt{attempt}"
-    record = Record(kill_step, group == kill_group, out / f"{name}.jsonl", args.in_backward)
+    heal_killer = args.kill_healing and attempt == 1 and group == args.kill[0]
+    log = out / f"{name}.jsonl"
+    record = Record(kill_step, group == kill_group, log, args.in_backward, heal_killer)
+    record.nudge = args.nudge if group == 1 else 0
     trainer = DistTrainer(
         train_data=data,
         model=model,
@@ -97,6 +130,7 @@ def main() -> None:
         update_every=2 if args.plain else 1,  # the same samples per update as 2 groups
         save_path=args.save_path,
         timeout=30,
+        check_sync_every=args.check_sync,
         print_every=1000,
     )
     start = time.time()
@@ -112,6 +146,15 @@ def main() -> None:
             }
         )
     )
+
+
+def _model(odd: str) -> nn.Module:
+    """The model: a linear one, or with ``odd`` one that differs in shapes or names."""
+    if odd == "wider":
+        return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))
+    if odd == "renamed":
+        return nn.Sequential(nn.Identity(), nn.Linear(4, 1))
+    return nn.Sequential(nn.Linear(4, 1), nn.Identity())
 
 
 if __name__ == "__main__":
