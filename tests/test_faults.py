@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -36,10 +38,31 @@ def _launch(case: str, tmp_path: Path) -> tuple[Result, float]:
 
 
 def _failed(case: str, tmp_path: Path) -> str:
-    result, seconds = _launch(case, tmp_path)
+    return _failure(*_launch(case, tmp_path))
+
+
+def _failure(result: Result, seconds: float) -> str:
     assert result.returncode != 0, result.describe()
     assert seconds < BOUND + 15, f"took {seconds:.0f} s\n{result.describe()}"  # + start-up
     return result.output
+
+
+Waiting = dict[str, "Future[tuple[Result, float, Path]]"]
+
+
+@pytest.fixture(scope="module")
+def waiting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Waiting]:
+    """The launches that mostly wait (out the collective timeout, the 20 s grace after a
+    SIGTERM, a slow rank_zero_first), started together: side by side they take about the
+    time of the longest. Each gives its result, its seconds and its directory."""
+
+    def launch(case: str) -> tuple[Result, float, Path]:
+        path = tmp_path_factory.mktemp(case)
+        return (*_launch(case, path), path)
+
+    cases = ("timeout", "peer_dies", "rzf_slow")
+    with ThreadPoolExecutor(len(cases)) as pool:
+        yield {case: pool.submit(launch, case) for case in cases}
 
 
 def _ranks(tmp_path: Path) -> list[dict]:
@@ -86,9 +109,10 @@ def _worker_line(code: str) -> str:
 
 @pytest.mark.slow
 def test_timeout_reports_every_ranks_position_collective_and_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    waiting: Waiting, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    output = _failed("timeout", tmp_path)
+    result, seconds, tmp_path = waiting["timeout"].result()
+    output = _failure(result, seconds)
     assert "a collective failed on rank 0 (waits are bounded by 8 s" in output
     assert "Timed out" in output
     # Each line of both blocks says when it was taken: the positions (rank 1's as it last
@@ -130,11 +154,11 @@ def test_timeout_reports_every_ranks_position_collective_and_line(
 
 
 @pytest.mark.slow
-def test_a_rank_busy_when_its_peer_dies_exits_on_sigterm(tmp_path: Path) -> None:
+def test_a_rank_busy_when_its_peer_dies_exits_on_sigterm(waiting: Waiting) -> None:
     """Rank 1 dies while rank 0 is busy for 60 s away from any collective. torchrun sends
     rank 0 SIGTERM; no sync point comes to agree on it, so rank 0 exits 20 s later with 143
     and says why (it ignored the signal and torchrun killed it 30 s later)."""
-    result, seconds = _launch("peer_dies", tmp_path)
+    result, seconds, _ = waiting["peer_dies"].result()
     assert result.returncode != 0
     assert "[rank 0] SIGTERM received 20 s ago and the ranks have not agreed" in result.output
     assert re.search(r"exitcode\s*:\s*143\b", result.output), result.describe()
@@ -163,8 +187,8 @@ def test_rank_zero_first_error_stops_the_waiting_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_rank_zero_first_outlasts_the_collective_timeout(tmp_path: Path) -> None:
-    result, _ = _launch("rzf_slow", tmp_path)
+def test_rank_zero_first_outlasts_the_collective_timeout(waiting: Waiting) -> None:
+    result, _, tmp_path = waiting["rzf_slow"].result()
     assert result.returncode == 0, result.describe()
     assert "[rank 1] waiting for local rank 0 of node 0 to finish rank_zero_first" in result.output
     # Then a callbacks_master on_train_begin as long: the trainer's timeout does not run out.
@@ -256,6 +280,8 @@ def test_a_rank_cut_off_from_the_store_reports_within_seconds(
 
 _STORE_HOST = """
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 import torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", {port}, None, True, timedelta(seconds=60),
