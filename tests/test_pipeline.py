@@ -281,7 +281,8 @@ def test_two_stages_train_one_process_model(one: dict[str, Any], pp2: list[dict[
     connection around all of them (whose gradients the stages would lose), are refused at
     their first update, alike on both ranks; a short last batch in an update of full ones is
     refused as the trainer is built; with no evaluation or checkpoint after the last update,
-    train() leaves the whole model on both ranks."""
+    train() leaves the whole model on both ranks; an exception in a stage's code is reported
+    as itself."""
     ranks = pp2
     for rank in ranks:  # the whole model on every rank when train() returns, as under DDP
         torch.testing.assert_close(
@@ -305,6 +306,9 @@ def test_two_stages_train_one_process_model(one: dict[str, Any], pp2: list[dict[
     assert ranks[0]["short"] == ranks[1]["short"]  # at build time, not at the epoch's end
     assert "[4, 4, 4, 2] samples (data shards of 30 samples" in ranks[0]["short"]
     assert "stage 1 computes a gradient for inp.weight (inp), but stage 0" in ranks[0]["skip"]
+    # An exception inside a stage is the user's, not torch's wrapper ("failed to run forward").
+    assert ranks[0]["boom"] == "ValueError: user bug: a bad value in the first stage"
+    assert ranks[1]["boom"] == "ValueError: rank 1 stops with rank 0"
 
 
 @pytest.mark.slow
@@ -361,6 +365,14 @@ def test_tensor_parallel_stages(
     assert {r["pp_tp"]["eval"]["loss"] for r in pp4} == {run["eval"]["loss"]}
     assert pp2[0]["fsdp_from_pp_tp"]["start_step"] == 3
     assert_like_one_process(pp2[0]["fsdp_from_pp_tp"], one["plain"])
+    # A column-split head would hand the loss half its outputs: refused alike at update 1.
+    head = pp4[0]["colwise_head"]
+    assert {r["colwise_head"] for r in pp4} == {head}
+    assert (
+        "stage 1 gives outputs of shapes [(4, 9)] where one process's model gives [(4, 9, 2)]"
+        in head
+    )
+    assert "(out)" in head and "output_layouts=Replicate()" in head
 
 
 @pytest.mark.slow

@@ -48,7 +48,8 @@ from fastdist.strategies.pipeline_state import (
     whole,
 )
 from fastdist.strategies.stage_check import check_cut, check_gradients, unsharded_copy
-from fastdist.strategies.stages import StageModule, batch_shapes, plan_stages, stage_example
+from fastdist.strategies.stages import StageModule, batch_shapes, plan_stages, stage_example, step
+from fastdist.strategies.tensor_parallel import check_output_shapes
 from fastdist.strategies.topology import Topology
 
 
@@ -82,9 +83,9 @@ class Pipeline(Strategy):
     Checkpoints hold the whole model and optimizer state, gathered from the stages, as a plain
     or DDP run's do: DDP, one process or another pipeline resumes them, and a pipeline resumes
     theirs; FSDP stages write DCP shards as ``FSDP()`` does, which either resumes on any
-    number of ranks. Every rank starts from rank 0's weights; at the first update the stages
-    are checked to compute the whole model's output and gradients
-    (:mod:`~fastdist.strategies.stage_check`).
+    number of ranks. Every rank starts from rank 0's weights; the first update checks that the
+    stages compute the model's output and gradients (:mod:`~fastdist.strategies.stage_check`)
+    and, split over ``tp``, hand on whole outputs, not a column-split layer's shard.
 
     Example:
         >>> strategy = Pipeline(stages=2, schedule="1f1b", split=None, stage_strategy=DDP())
@@ -188,9 +189,8 @@ class Pipeline(Strategy):
         self.index = self.topology.coordinate("pp")
         self.local = [self.index + k * self.stages for k in range(self.per_rank)]
         self.sharded = self.equal_forwards = isinstance(self.stage_strategy, FSDP)
-        # What the first update checks the stages against: the model as built (sharing its
-        # tensors; under FSDP its unsharded ones, held until then).
-        self._unchecked: nn.Module | None = model
+        self._tp_plan: dict[str, Any] = {}  # this rank's stages' part of the tp_plan
+        self._unchecked: nn.Module | None = model  # the first update checks against it
         if isinstance(self.stage_strategy, FSDP):
             self._unchecked = unsharded_copy(model)
             self._shard(self.stage_strategy, amp)
@@ -219,7 +219,7 @@ class Pipeline(Strategy):
             from fastdist.strategies.tensor_parallel import apply_plan
 
             plans = stage_tp_plans(self.model, options.tp_plan, self.plan)
-            own = {name: style for index in self.local for name, style in plans[index].items()}
+            own = self._tp_plan = {n: s for i in self.local for n, s in plans[i].items()}
             if own:
                 apply_plan(self.model, own, self.topology.mesh("tp"))
         keywords = options.shard_options(self.topology.mesh("dp_shard"), amp)
@@ -272,7 +272,7 @@ class Pipeline(Strategy):
             stage.begin(batches, functools.partial(_run, update, stage))
         last = self.stage_modules[-1]  # the model's last stage, on the pipeline's last rank
         self._loss = lambda output, i: update.loss(last.output(i, output), batches[i])
-        schedule.step(target=torch.arange(len(batches)), return_outputs=False)
+        step(schedule, len(batches))
         for _ in batches:
             update.end()
 
@@ -316,9 +316,8 @@ class Pipeline(Strategy):
         return self._schedules[key]
 
     def _check(self, batch: Any, update: Update) -> list[torch.Tensor]:
-        """The activations between the stages (for their shapes); at the first update, on
-        the model as built, also the check that the stages compute the model's output and
-        gradients, refused alike on every rank (one gather of the verdicts) if they do not."""
+        """The activations between the stages (for their shapes); at the first update, the
+        checks of the class's docs, refused alike on every rank (one gather of the verdicts)."""
         if self._unchecked is None:
             return check_cut(self.model, self.plan, batch, update.forward)
         model, self._unchecked = self._unchecked, None
@@ -326,6 +325,9 @@ class Pipeline(Strategy):
         try:
             hidden = check_cut(model, self.plan, batch, update.forward)
             check_gradients(model, self.plan, batch, update.forward)
+            for i in self.local if self._tp_plan else ():  # a stage handing on a shard?
+                split = check_cut(self.model, self.plan, batch, update.forward)[i]  # as run
+                check_output_shapes(hidden[i], split, self._tp_plan, f"pipeline stage {i}")
             verdict = None
         except Exception as exc:  # agreed first: no rank raises alone and leaves the rest waiting
             verdict = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"

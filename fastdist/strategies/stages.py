@@ -304,3 +304,15 @@ def stage_example(hidden: Any) -> Any:
     if isinstance(hidden, tuple):
         return tuple(torch.empty(0) for _ in hidden)
     return torch.empty_like(hidden).requires_grad_(hidden.is_floating_point())
+
+
+def step(schedule: Any, micro_batches: int) -> None:
+    """``schedule.step`` over ``micro_batches`` (the loss function's targets: their indices);
+    an exception of a stage's code raised as itself, not as the ``RuntimeError("[Stage 0]
+    failed to run forward: args: ...")`` torch wraps it in (which names no error)."""
+    try:
+        schedule.step(target=torch.arange(micro_batches), return_outputs=False)
+    except RuntimeError as exc:
+        if exc.__cause__ is None or "failed to run" not in str(exc).lower():
+            raise
+        raise exc.__cause__ from None
