@@ -36,6 +36,7 @@ from fastdist.strategies.pipeline_checks import (
     check_window,
     pipeline_degrees,
     schedule_class,
+    stage_plan,
     stage_shares,
     stage_tp_plans,
 )
@@ -48,7 +49,7 @@ from fastdist.strategies.pipeline_state import (
     whole,
 )
 from fastdist.strategies.stage_check import check_cut, check_gradients, unsharded_copy
-from fastdist.strategies.stages import StageModule, batch_shapes, plan_stages, stage_example, step
+from fastdist.strategies.stages import StageModule, batch_shapes, stage_example, step
 from fastdist.strategies.tensor_parallel import check_output_shapes
 from fastdist.strategies.topology import Topology
 
@@ -122,9 +123,8 @@ class Pipeline(Strategy):
                     f"{len(split)}: {list(split)}"
                 )
         check_stage_strategy(stage_strategy)
-        self.stages, self.schedule = stages, schedule
+        self.stages, self.schedule, self.stage_strategy = stages, schedule, stage_strategy
         self.split = None if split is None else list(split)
-        self.stage_strategy = stage_strategy
         self.tp_plan = getattr(stage_strategy, "tp_plan", None)  # what the estimate splits
 
     def degrees(self, world_size: int) -> dict[str, int]:
@@ -139,7 +139,7 @@ class Pipeline(Strategy):
         device: torch.device,
         amp: str | None,
     ) -> None:
-        plan = plan_stages(model, self.cuts, self.split)
+        plan = stage_plan(model, self, get_world_size())
         if isinstance(self.stage_strategy, FSDP):
             check_shardable(model, plan)
         if amp == "fp16":
@@ -158,7 +158,7 @@ class Pipeline(Strategy):
 
     def memory_shares(self, model: nn.Module, update_every: int) -> list[MemoryShare]:
         """Each stage's share (:func:`~fastdist.strategies.pipeline_checks.stage_shares`)."""
-        plan = plan_stages(model, self.cuts, self.split)
+        plan = stage_plan(model, self, None)
         return stage_shares(model, plan, self.schedule, update_every, self.stages)
 
     def check_batches(self, sizes: list[list[int]], update_every: int) -> None:
@@ -185,7 +185,7 @@ class Pipeline(Strategy):
         with torch.no_grad():  # as DDP does: every stage starts from rank 0's weights
             for tensor in itertools.chain(model.parameters(), model.buffers()):
                 dist.broadcast(tensor, src=0, group=group)
-        self.plan = plan_stages(model, self.cuts, self.split)
+        self.plan = stage_plan(model, self, None)
         self.index = self.topology.coordinate("pp")
         self.local = [self.index + k * self.stages for k in range(self.per_rank)]
         self.sharded = self.equal_forwards = isinstance(self.stage_strategy, FSDP)
