@@ -2,11 +2,9 @@
 ``dp_replicate`` or sharded with FSDP over ``dp_shard`` (its layers split over ``tp`` too);
 torch's ``PipelineStage`` and schedules run each update.
 
-Each rank runs one stage (:mod:`~fastdist.strategies.stages`; two under interleaved 1F1B);
-the ranks of one pipeline see the same micro-batches, the loss is computed on the last stage.
-The whole model stays on every rank (its own stage's modules sharded under FSDP), only its
-own stage trained there: evaluation, prediction, the best model and ``save_model`` first
-bring every stage's parameters to every rank of the pipeline.
+Each rank runs one stage (two under interleaved 1F1B); the loss is computed on the last.
+The whole model stays on every rank, only its own stage trained there: evaluation,
+prediction, the best model and ``save_model`` first gather every stage's parameters.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP, switch_parameters
 from fastdist.strategies.pipeline_checks import (
     LOOPED,
+    check_amp,
     check_one_shape,
     check_setup_options,
     check_shardable,
@@ -75,18 +74,14 @@ class Pipeline(Strategy):
             tp_plan={...})`` first splits the stage's planned layers over ``N`` ranks (a
             ``pp x dp_shard x tp`` mesh; the plan names modules, each within one stage).
 
-    An update's ``update_every`` micro-batches are the schedule's micro-batches; their losses
-    keep the trainer's weights (a ``(sum, count)`` loss divided by the update's count), the
-    schedule does not divide by their number. Every micro-batch of one update must have the
-    same shapes (a short last batch in an update of full ones is refused when the trainer is
-    built); a new stage is set up for each new shape or number of micro-batches (an epoch's
-    short last update, which runs GPipe when it has fewer micro-batches than stages).
-    Checkpoints hold the whole model and optimizer state, gathered from the stages, as a plain
-    or DDP run's do: DDP, one process or another pipeline resumes them, and a pipeline resumes
-    theirs; FSDP stages write DCP shards as ``FSDP()`` does, which either resumes on any
-    number of ranks. Every rank starts from rank 0's weights; the first update checks that the
-    stages compute the model's output and gradients (:mod:`~fastdist.strategies.stage_check`)
-    and, split over ``tp``, hand on whole outputs, not a column-split layer's shard.
+    An update's ``update_every`` micro-batches are the schedule's, weighted as the trainer
+    weighs them (not divided by their number); they must have one shape (a short last batch
+    in an update of full ones is refused); each new shape or number of micro-batches gets
+    its stages set up anew. Checkpoints hold the whole model and optimizer state, as a plain
+    or DDP run's do, resumable by DDP, one process or a pipeline; FSDP stages write DCP
+    shards as ``FSDP()`` does. Every rank starts from rank 0's weights; the first update
+    checks that the stages compute the model's output and gradients
+    (:mod:`~fastdist.strategies.stage_check`) and, split over ``tp``, hand on whole outputs.
 
     Example:
         >>> strategy = Pipeline(stages=2, schedule="1f1b", split=None, stage_strategy=DDP())
@@ -142,16 +137,21 @@ class Pipeline(Strategy):
         plan = stage_plan(model, self, get_world_size())
         if isinstance(self.stage_strategy, FSDP):
             check_shardable(model, plan)
-        if amp == "fp16":
-            raise ValueError(
-                "amp='fp16' under Pipeline: the gradient scaler would skip an update on one "
-                "stage only; use amp='bf16'"
-            )
+        check_amp(amp)
         self.degrees(get_world_size())
         if isinstance(self.stage_strategy, FSDP):
             self.stage_strategy.check(model, optimizer, device, None)  # a fresh optimizer
             if self.stage_strategy.tp > 1:
                 stage_tp_plans(model, self.stage_strategy.tp_plan, plan)
+
+    def check_run(
+        self, model: nn.Module, batch: Any, forward: Any, amp: str | None, checkpointing: int
+    ) -> None:
+        """amp, activation checkpointing, and the first update's checks of the cut."""
+        check_amp(amp, checkpointing)
+        plan = stage_plan(model, self, None)
+        check_cut(model, plan, batch, forward)
+        check_gradients(model, plan, batch, forward)
 
     def check_window(self, update_every: int) -> None:
         check_window(self.stages, self.schedule, self.stage_strategy, update_every)

@@ -145,6 +145,16 @@ def check_setup_options(compile: bool, checkpointing: int) -> None:
         )
 
 
+def check_amp(amp: str | None, checkpointing: int = 0) -> None:
+    """Refuse ``amp='fp16'`` and activation checkpointing under a pipeline."""
+    if amp == "fp16":
+        raise ValueError(
+            "amp='fp16' under Pipeline: the gradient scaler would skip an update on one "
+            "stage only; use amp='bf16'"
+        )
+    check_setup_options(False, checkpointing)
+
+
 def check_stage_strategy(strategy: Any) -> None:
     """Raise unless ``strategy`` is one a stage can run under (``None``: DDP())."""
     plain = type(strategy) is DDP and not strategy.comm_hook and not strategy.average_every
