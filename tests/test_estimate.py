@@ -143,6 +143,37 @@ def test_command_reports_bad_input(capsys: pytest.CaptureFixture) -> None:
     assert "or use Pipeline(stages=2, schedule='gpipe')" in capsys.readouterr().err
     assert main(["estimate", SETUP, "--pp", "1"]) == 1
     assert "--pp 1 is no pipeline (Pipeline needs 2 or more stages)" in capsys.readouterr().err
+    # What the trainer refuses under a pipeline, with the trainer's words: not figures.
+    pp = [SETUP, "--world-size", "2", "--pp", "2", "--update-every", "2"]
+    assert main(["estimate", *pp, "--activation-checkpointing", "true"]) == 1
+    assert "activation_checkpointing under Pipeline is not supported" in capsys.readouterr().err
+    assert main(["estimate", *pp, "--amp", "fp16"]) == 1
+    assert "amp='fp16' under Pipeline: the gradient scaler" in capsys.readouterr().err
+
+
+class ResidualOutside(torch.nn.Module):
+    """Its residual connections skip the blocks (``h = h + block(h)``): no cut computes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.out = torch.nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h)
+
+
+def test_a_model_the_trainer_cannot_cut_is_refused() -> None:
+    """Refused by the estimate as at the trainer's first update (the same check), not
+    given figures."""
+    model, x = ResidualOutside(), torch.randn(8, 16)
+    parts = (model, torch.optim.AdamW(model.parameters()), (x, (x[:, 0] > 0).long()))
+    with pytest.raises(ValueError, match=r"ResidualOutside cannot be cut into pipeline stages"):
+        estimate_memory(*parts, Pipeline(stages=2), 2, loss=CrossEntropyLoss(), update_every=2)
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,7 @@ from workers.pipeline_worker import (
 
 from fastdist import DDP, FSDP, DistTrainer, Pipeline
 from fastdist.cli import main
-from fastdist.strategies.pipeline_checks import stage_tp_plans
+from fastdist.strategies.pipeline_checks import stage_plan, stage_tp_plans
 from fastdist.strategies.stage_check import check_cut, check_gradients
 from fastdist.strategies.stages import plan_stages
 
@@ -95,16 +95,17 @@ class Mixed(Tagger):
         ),
         (
             lambda: Pipeline(stage_strategy=FSDP(tp=2, tp_plan=TP_PLAN)).degrees(6),
-            "not a multiple of 4: launch a multiple of 4 processes, or pick stages dividing 6: "
-            "Pipeline(stages=3, stage_strategy=FSDP(tp=2, ...)) fits 6",
+            "not a multiple of 4: launch a multiple of 4 processes, or use "
+            "Pipeline(stages=3, stage_strategy=FSDP(tp=2, ...)) or Pipeline(stages=2) or "
+            "Pipeline(stages=3), which fit 6",
         ),
         (lambda: checked(Pipeline(stage_strategy=FSDP()), Loose()), "['scale'] belong to none"),
         (lambda: Pipeline(stage_strategy=FSDP(wrap=[nn.Linear])), "FSDP's wrap (a stage shards"),
         (lambda: Pipeline(stage_strategy=DDP(comm_hook="fp16")), "stage_strategy must be DDP()"),
         (
             lambda: Pipeline(stages=3).degrees(4),
-            "not a multiple of 3: launch a multiple of 3 processes, or pick stages dividing 4: "
-            "Pipeline(stages=2) or Pipeline(stages=4) fit 4",
+            "not a multiple of 3: launch a multiple of 3 processes, or use Pipeline(stages=2) "
+            "or Pipeline(stages=4), which fit 4",
         ),
         (lambda: Pipeline().check_window(1), "or use Pipeline(stages=2, schedule='gpipe')"),
         (lambda: Pipeline().check_batches([[4] * 7 + [2]], 4), "of [4, 4, 4, 2] samples"),
@@ -113,13 +114,24 @@ class Mixed(Tagger):
         (lambda: plan_stages(Tagger(), 2, ["inp"]), "must name blocks of one nn.ModuleList"),
         (lambda: plan_stages(Tagger(), 2, ["blocks.0"]), "blocks: blocks: blocks.0 ... blocks.3"),
         (
-            lambda: plan_stages(Tagger(), 5, None),
-            "need at least 5 blocks, but Tagger's blocks holds 4: use Pipeline(stages=4) (or "
-            "Pipeline(stages=2, schedule='interleaved-1f1b')) or fewer stages",
+            lambda: stage_plan(Tagger(), Pipeline(stages=5), None),
+            "Pipeline(stages=5) cuts the model into 5 stages: it needs at least 5 blocks, but "
+            "Tagger's blocks holds 4: use Pipeline(stages=2) or Pipeline(stages=3) or "
+            "Pipeline(stages=4)",
+        ),
+        (  # only what fits the world size and the schedule in use
+            lambda: stage_plan(Tagger(), Pipeline(stages=4, schedule="interleaved-1f1b"), 8),
+            "into 8 stages (2 per rank under interleaved 1F1B): it needs at least 8 blocks, but "
+            "Tagger's blocks holds 4: use Pipeline(stages=2, schedule='interleaved-1f1b')",
         ),
         (
-            lambda: checked(Pipeline(stages=2, schedule="interleaved-1f1b"), three_blocks()),
-            "use Pipeline(stages=3) or fewer stages",
+            lambda: stage_plan(three_blocks(), Pipeline(stages=2, schedule="interleaved-1f1b"), 2),
+            "holds 3: no Pipeline fits on 2 process(es): use DDP() or FSDP()",
+        ),
+        (
+            lambda: Pipeline(stages=2, stage_strategy=FSDP(tp=4, tp_plan=TP_PLAN)).degrees(4),
+            "or use Pipeline(stages=2, stage_strategy=FSDP(tp=2, ...)) or Pipeline(stages=2) or "
+            "Pipeline(stages=4), which fit 4",
         ),
         (lambda: plan_stages(Flat(), 2, None), "put its layers in an nn.ModuleList"),
         (
@@ -281,7 +293,8 @@ def test_two_stages_train_one_process_model(one: dict[str, Any], pp2: list[dict[
     connection around all of them (whose gradients the stages would lose), are refused at
     their first update, alike on both ranks; a short last batch in an update of full ones is
     refused as the trainer is built; with no evaluation or checkpoint after the last update,
-    train() leaves the whole model on both ranks."""
+    train() leaves the whole model on both ranks; an exception in a stage's code is reported
+    as itself."""
     ranks = pp2
     for rank in ranks:  # the whole model on every rank when train() returns, as under DDP
         torch.testing.assert_close(
@@ -305,6 +318,9 @@ def test_two_stages_train_one_process_model(one: dict[str, Any], pp2: list[dict[
     assert ranks[0]["short"] == ranks[1]["short"]  # at build time, not at the epoch's end
     assert "[4, 4, 4, 2] samples (data shards of 30 samples" in ranks[0]["short"]
     assert "stage 1 computes a gradient for inp.weight (inp), but stage 0" in ranks[0]["skip"]
+    # An exception inside a stage is the user's, not torch's wrapper ("failed to run forward").
+    assert ranks[0]["boom"] == "ValueError: user bug: a bad value in the first stage"
+    assert ranks[1]["boom"] == "ValueError: rank 1 stops with rank 0"
 
 
 @pytest.mark.slow
@@ -361,6 +377,14 @@ def test_tensor_parallel_stages(
     assert {r["pp_tp"]["eval"]["loss"] for r in pp4} == {run["eval"]["loss"]}
     assert pp2[0]["fsdp_from_pp_tp"]["start_step"] == 3
     assert_like_one_process(pp2[0]["fsdp_from_pp_tp"], one["plain"])
+    # A column-split head would hand the loss half its outputs: refused alike at update 1.
+    head = pp4[0]["colwise_head"]
+    assert {r["colwise_head"] for r in pp4} == {head}
+    assert (
+        "stage 1 gives outputs of shapes [(4, 9)] where one process's model gives [(4, 9, 2)]"
+        in head
+    )
+    assert "(out)" in head and "output_layouts=Replicate()" in head
 
 
 @pytest.mark.slow

@@ -138,6 +138,16 @@ def test_bad_input_fails_alike_on_every_rank_before_the_mesh(four: list[dict[str
     assert "choose a tp that divides 3" in errors["indivisible"]
 
 
+def test_a_column_split_output_layer_is_refused(two: list[dict[str, Any]]) -> None:
+    # Each rank's output would be half the model's, broadcast against the target by the loss.
+    head = two[0]["colwise_head"]
+    assert {rank["colwise_head"] for rank in two} == {head}
+    assert (
+        "BlockNet gives outputs of shapes [(8, 1)] where one process's model gives [(8, 2)]" in head
+    )
+    assert "(out)" in head and "output_layouts=Replicate()" in head
+
+
 def test_2x2_resumes_bit_identically(four: list[dict[str, Any]]) -> None:
     killed, uninterrupted = four[0]["killed"], four[0]["mesh"]
     assert killed["steps"] == 6

@@ -139,11 +139,13 @@ def estimate_memory(
     tp = layout.size("tp")
     styles = _plan(model, strategy, tp)
     device = next(model.parameters()).device
+    period = checkpoint_period(activation_checkpointing)
+    feed = make_forward(model)  # the trainer's refusals, from its own checks
+    strategy.check_run(model, to_device(batch, device), feed, amp, period)
     activations = _activations(model, batch, loss, amp, styles, tp, strategy, device)
     setting = _Setting(
         model, optimizer, strategy, layout, styles, update_every, amp, device, activations
     )
-    period = checkpoint_period(activation_checkpointing)
     found = [
         _estimate(setting, share, period) for share in strategy.memory_shares(model, update_every)
     ]

@@ -138,6 +138,14 @@ class Strategy:
         """Raise if this strategy cannot run updates of ``update_every`` micro-batches (alike
         on every rank, before any collective)."""
 
+    def check_run(
+        self, model: nn.Module, batch: Any, forward: Any, amp: str | None, checkpointing: int
+    ) -> None:
+        """Raise what the trainer would refuse, beyond :meth:`check`, of training ``model``
+        on micro-batches like ``batch`` (fed by ``forward(model, batch)``) with ``amp`` and
+        activation checkpointing every ``checkpointing`` blocks: the memory estimate asks it
+        (the trainer raises the same errors from the same checks)."""
+
     def check_batches(self, sizes: list[list[int]], update_every: int) -> None:
         """Raise if this strategy cannot run an epoch whose data shards' batch sizes
         (samples) are ``sizes``, in updates of ``update_every`` (alike on every rank, before

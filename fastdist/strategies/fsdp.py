@@ -262,9 +262,10 @@ class FSDP(Strategy):
         shards over: ``dp_shard``, or ``dp_replicate`` x ``dp_shard`` (HSDP)."""
         topology = self.topology
         if self.tp > 1:
-            from fastdist.strategies.tensor_parallel import apply_plan, resolve_plan
+            from fastdist.strategies.tensor_parallel import apply_plan, guard_output, resolve_plan
 
             plan = resolve_plan(model, self.tp_plan)
+            guard_output(model, plan)
             apply_plan(model, plan, topology.mesh("tp"))
             logger.info(
                 "tensor parallel: %s split over tp=%d ranks",

@@ -2,11 +2,9 @@
 ``dp_replicate`` or sharded with FSDP over ``dp_shard`` (its layers split over ``tp`` too);
 torch's ``PipelineStage`` and schedules run each update.
 
-Each rank runs one stage (:mod:`~fastdist.strategies.stages`; two under interleaved 1F1B);
-the ranks of one pipeline see the same micro-batches, the loss is computed on the last stage.
-The whole model stays on every rank (its own stage's modules sharded under FSDP), only its
-own stage trained there: evaluation, prediction, the best model and ``save_model`` first
-bring every stage's parameters to every rank of the pipeline.
+Each rank runs one stage (two under interleaved 1F1B); the loss is computed on the last.
+The whole model stays on every rank, only its own stage trained there: evaluation,
+prediction, the best model and ``save_model`` first gather every stage's parameters.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP, switch_parameters
 from fastdist.strategies.pipeline_checks import (
     LOOPED,
+    check_amp,
     check_one_shape,
     check_setup_options,
     check_shardable,
@@ -36,6 +35,7 @@ from fastdist.strategies.pipeline_checks import (
     check_window,
     pipeline_degrees,
     schedule_class,
+    stage_plan,
     stage_shares,
     stage_tp_plans,
 )
@@ -48,7 +48,8 @@ from fastdist.strategies.pipeline_state import (
     whole,
 )
 from fastdist.strategies.stage_check import check_cut, check_gradients, unsharded_copy
-from fastdist.strategies.stages import StageModule, batch_shapes, plan_stages, stage_example
+from fastdist.strategies.stages import StageModule, batch_shapes, stage_example, step
+from fastdist.strategies.tensor_parallel import check_output_shapes
 from fastdist.strategies.topology import Topology
 
 
@@ -73,18 +74,14 @@ class Pipeline(Strategy):
             tp_plan={...})`` first splits the stage's planned layers over ``N`` ranks (a
             ``pp x dp_shard x tp`` mesh; the plan names modules, each within one stage).
 
-    An update's ``update_every`` micro-batches are the schedule's micro-batches; their losses
-    keep the trainer's weights (a ``(sum, count)`` loss divided by the update's count), the
-    schedule does not divide by their number. Every micro-batch of one update must have the
-    same shapes (a short last batch in an update of full ones is refused when the trainer is
-    built); a new stage is set up for each new shape or number of micro-batches (an epoch's
-    short last update, which runs GPipe when it has fewer micro-batches than stages).
-    Checkpoints hold the whole model and optimizer state, gathered from the stages, as a plain
-    or DDP run's do: DDP, one process or another pipeline resumes them, and a pipeline resumes
-    theirs; FSDP stages write DCP shards as ``FSDP()`` does, which either resumes on any
-    number of ranks. Every rank starts from rank 0's weights; at the first update the stages
-    are checked to compute the whole model's output and gradients
-    (:mod:`~fastdist.strategies.stage_check`).
+    An update's ``update_every`` micro-batches are the schedule's, weighted as the trainer
+    weighs them (not divided by their number); they must have one shape (a short last batch
+    in an update of full ones is refused); each new shape or number of micro-batches gets
+    its stages set up anew. Checkpoints hold the whole model and optimizer state, as a plain
+    or DDP run's do, resumable by DDP, one process or a pipeline; FSDP stages write DCP
+    shards as ``FSDP()`` does. Every rank starts from rank 0's weights; the first update
+    checks that the stages compute the model's output and gradients
+    (:mod:`~fastdist.strategies.stage_check`) and, split over ``tp``, hand on whole outputs.
 
     Example:
         >>> strategy = Pipeline(stages=2, schedule="1f1b", split=None, stage_strategy=DDP())
@@ -121,9 +118,8 @@ class Pipeline(Strategy):
                     f"{len(split)}: {list(split)}"
                 )
         check_stage_strategy(stage_strategy)
-        self.stages, self.schedule = stages, schedule
+        self.stages, self.schedule, self.stage_strategy = stages, schedule, stage_strategy
         self.split = None if split is None else list(split)
-        self.stage_strategy = stage_strategy
         self.tp_plan = getattr(stage_strategy, "tp_plan", None)  # what the estimate splits
 
     def degrees(self, world_size: int) -> dict[str, int]:
@@ -138,26 +134,31 @@ class Pipeline(Strategy):
         device: torch.device,
         amp: str | None,
     ) -> None:
-        plan = plan_stages(model, self.cuts, self.split)
+        plan = stage_plan(model, self, get_world_size())
         if isinstance(self.stage_strategy, FSDP):
             check_shardable(model, plan)
-        if amp == "fp16":
-            raise ValueError(
-                "amp='fp16' under Pipeline: the gradient scaler would skip an update on one "
-                "stage only; use amp='bf16'"
-            )
+        check_amp(amp)
         self.degrees(get_world_size())
         if isinstance(self.stage_strategy, FSDP):
             self.stage_strategy.check(model, optimizer, device, None)  # a fresh optimizer
             if self.stage_strategy.tp > 1:
                 stage_tp_plans(model, self.stage_strategy.tp_plan, plan)
 
+    def check_run(
+        self, model: nn.Module, batch: Any, forward: Any, amp: str | None, checkpointing: int
+    ) -> None:
+        """amp, activation checkpointing, and the first update's checks of the cut."""
+        check_amp(amp, checkpointing)
+        plan = stage_plan(model, self, None)
+        check_cut(model, plan, batch, forward)
+        check_gradients(model, plan, batch, forward)
+
     def check_window(self, update_every: int) -> None:
         check_window(self.stages, self.schedule, self.stage_strategy, update_every)
 
     def memory_shares(self, model: nn.Module, update_every: int) -> list[MemoryShare]:
         """Each stage's share (:func:`~fastdist.strategies.pipeline_checks.stage_shares`)."""
-        plan = plan_stages(model, self.cuts, self.split)
+        plan = stage_plan(model, self, None)
         return stage_shares(model, plan, self.schedule, update_every, self.stages)
 
     def check_batches(self, sizes: list[list[int]], update_every: int) -> None:
@@ -184,13 +185,12 @@ class Pipeline(Strategy):
         with torch.no_grad():  # as DDP does: every stage starts from rank 0's weights
             for tensor in itertools.chain(model.parameters(), model.buffers()):
                 dist.broadcast(tensor, src=0, group=group)
-        self.plan = plan_stages(model, self.cuts, self.split)
+        self.plan = stage_plan(model, self, None)
         self.index = self.topology.coordinate("pp")
         self.local = [self.index + k * self.stages for k in range(self.per_rank)]
         self.sharded = self.equal_forwards = isinstance(self.stage_strategy, FSDP)
-        # What the first update checks the stages against: the model as built (sharing its
-        # tensors; under FSDP its unsharded ones, held until then).
-        self._unchecked: nn.Module | None = model
+        self._tp_plan: dict[str, Any] = {}  # this rank's stages' part of the tp_plan
+        self._unchecked: nn.Module | None = model  # the first update checks against it
         if isinstance(self.stage_strategy, FSDP):
             self._unchecked = unsharded_copy(model)
             self._shard(self.stage_strategy, amp)
@@ -219,7 +219,7 @@ class Pipeline(Strategy):
             from fastdist.strategies.tensor_parallel import apply_plan
 
             plans = stage_tp_plans(self.model, options.tp_plan, self.plan)
-            own = {name: style for index in self.local for name, style in plans[index].items()}
+            own = self._tp_plan = {n: s for i in self.local for n, s in plans[i].items()}
             if own:
                 apply_plan(self.model, own, self.topology.mesh("tp"))
         keywords = options.shard_options(self.topology.mesh("dp_shard"), amp)
@@ -272,7 +272,7 @@ class Pipeline(Strategy):
             stage.begin(batches, functools.partial(_run, update, stage))
         last = self.stage_modules[-1]  # the model's last stage, on the pipeline's last rank
         self._loss = lambda output, i: update.loss(last.output(i, output), batches[i])
-        schedule.step(target=torch.arange(len(batches)), return_outputs=False)
+        step(schedule, len(batches))
         for _ in batches:
             update.end()
 
@@ -316,9 +316,8 @@ class Pipeline(Strategy):
         return self._schedules[key]
 
     def _check(self, batch: Any, update: Update) -> list[torch.Tensor]:
-        """The activations between the stages (for their shapes); at the first update, on
-        the model as built, also the check that the stages compute the model's output and
-        gradients, refused alike on every rank (one gather of the verdicts) if they do not."""
+        """The activations between the stages (for their shapes); at the first update, the
+        checks of the class's docs, refused alike on every rank (one gather of the verdicts)."""
         if self._unchecked is None:
             return check_cut(self.model, self.plan, batch, update.forward)
         model, self._unchecked = self._unchecked, None
@@ -326,6 +325,9 @@ class Pipeline(Strategy):
         try:
             hidden = check_cut(model, self.plan, batch, update.forward)
             check_gradients(model, self.plan, batch, update.forward)
+            for i in self.local if self._tp_plan else ():  # a stage handing on a shard?
+                split = check_cut(self.model, self.plan, batch, update.forward)[i]  # as run
+                check_output_shapes(hidden[i], split, self._tp_plan, f"pipeline stage {i}")
             verdict = None
         except Exception as exc:  # agreed first: no rank raises alone and leaves the rest waiting
             verdict = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"

@@ -13,7 +13,7 @@ from fastdist.checks import describe
 from fastdist.strategies.base import MemoryShare
 from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP
-from fastdist.strategies.stages import StagePlan
+from fastdist.strategies.stages import StagePlan, TooFewBlocks, plan_stages
 
 #: torch.distributed.pipelining's schedule classes by name (a looped schedule runs several
 #: stages per rank; LoopedBFS is GPipe's).
@@ -50,6 +50,47 @@ def spelled(stages: int, schedule: str, stage_strategy: Any) -> str:
     return f"Pipeline({', '.join(parts)})"
 
 
+def fitting(
+    world_size: int | None, schedule: str, stage_strategy: Any, blocks: int | None = None
+) -> list[str]:
+    """Up to 3 spellings of ``Pipeline`` under ``schedule`` that fit ``world_size`` ranks
+    (``None``: any) and a model of ``blocks`` blocks (``None``: any): with the stage strategy
+    given, then with smaller ``tp`` (divisors of it), then with DDP stages."""
+    per_rank = LOOPED if schedule == "interleaved-1f1b" else 1
+    tp = stage_strategy.tp if isinstance(stage_strategy, FSDP) else 1
+    kinds = [(stage_strategy, tp)] + [(FSDP(tp=t), t) for t in range(tp - 1, 1, -1) if tp % t == 0]
+    kinds += [(None, 1)] if tp > 1 else []
+    most = world_size or blocks or 2
+    found = [
+        spelled(n, schedule, strategy)
+        for strategy, t in kinds
+        for n in range(2, most + 1)
+        if (world_size is None or world_size % (n * t) == 0)
+        and (blocks is None or n * per_rank <= blocks)
+    ]
+    return list(dict.fromkeys(found))[:3]
+
+
+def stage_plan(model: nn.Module, pipeline: Any, world_size: int | None) -> StagePlan:
+    """``model``'s stages under ``pipeline`` (a ``Pipeline``:
+    :func:`~fastdist.strategies.stages.plan_stages`); a model of fewer blocks than stages
+    refused naming the spellings that fit it, the schedule and ``world_size`` ranks
+    (``None``: any), or ``DDP()``/``FSDP()`` when none does."""
+    stages, schedule, stage_strategy = pipeline.stages, pipeline.schedule, pipeline.stage_strategy
+    per_rank = LOOPED if schedule == "interleaved-1f1b" else 1
+    try:
+        return plan_stages(model, stages * per_rank, pipeline.split)
+    except TooFewBlocks as exc:
+        fit = fitting(world_size, schedule, stage_strategy, exc.blocks)
+        ranks = "" if world_size is None else f" on {world_size} process(es)"
+        fix = f"use {' or '.join(fit)}" if fit else f"no Pipeline fits{ranks}: use DDP() or FSDP()"
+        looped = " (2 per rank under interleaved 1F1B)" if per_rank > 1 else ""
+        given = spelled(stages, schedule, stage_strategy)
+        raise ValueError(
+            f"{given} cuts the model into {stages * per_rank} stages{looped}: {exc}: {fix}"
+        ) from None
+
+
 def pipeline_degrees(
     world_size: int, stages: int, schedule: str, stage_strategy: Any
 ) -> dict[str, int]:
@@ -59,17 +100,11 @@ def pipeline_degrees(
     tp = stage_strategy.tp if isinstance(stage_strategy, FSDP) else 1
     per = stages * tp
     if world_size % per:
-        fit = [
-            spelled(n, schedule, stage_strategy)
-            for n in range(2, world_size // tp + 1)
-            if world_size % (n * tp) == 0
-        ][:3]
+        fit = fitting(world_size, schedule, stage_strategy)
         fits = (
-            f", or pick stages dividing {world_size}: {' or '.join(fit)} "
-            f"fit{'s' if len(fit) == 1 else ''} {world_size}"
+            f", or use {' or '.join(fit)}, which fit{'s' if len(fit) == 1 else ''} {world_size}"
             if fit
-            else f"; no Pipeline fits {world_size} process(es) (it needs {2 * tp} or more): "
-            "use DDP() or FSDP() there"
+            else f"; no Pipeline fits {world_size} process(es): use DDP() or FSDP() there"
         )
         given = spelled(stages, schedule, stage_strategy)
         what = (
@@ -108,6 +143,16 @@ def check_setup_options(compile: bool, checkpointing: int) -> None:
             "activation_checkpointing under Pipeline is not supported yet (the stages are cut "
             "from the blocks it would wrap): drop activation_checkpointing"
         )
+
+
+def check_amp(amp: str | None, checkpointing: int = 0) -> None:
+    """Refuse ``amp='fp16'`` and activation checkpointing under a pipeline."""
+    if amp == "fp16":
+        raise ValueError(
+            "amp='fp16' under Pipeline: the gradient scaler would skip an update on one "
+            "stage only; use amp='bf16'"
+        )
+    check_setup_options(False, checkpointing)
 
 
 def check_stage_strategy(strategy: Any) -> None:

@@ -122,6 +122,14 @@ def _plan(model: nn.Module, container: str, blocks: list[list[str]]) -> StagePla
     return plan
 
 
+class TooFewBlocks(ValueError):
+    """More stages than the model's blocks (``blocks``: how many it has)."""
+
+    def __init__(self, message: str, blocks: int) -> None:
+        super().__init__(message)
+        self.blocks = blocks
+
+
 def plan_stages(model: nn.Module, stages: int, split: list[str] | None) -> StagePlan:
     """The blocks of each of ``stages`` stages: cut at ``split`` (the first block of every
     stage after the first), or evenly over the model's largest list of blocks. Raise a
@@ -138,12 +146,9 @@ def plan_stages(model: nn.Module, stages: int, split: list[str] | None) -> Stage
             )
         container, blocks = max(found, key=lambda item: len(item[1]))
         if len(blocks) < stages:
-            n = len(blocks)
-            looped = f" (or Pipeline(stages={n // 2}, schedule='interleaved-1f1b'))" * (n >= 4)
-            fits = f"use Pipeline(stages={n}){looped} or fewer stages" if n >= 2 else "none fits"
-            raise ValueError(
-                f"{stages} pipeline stages (2 per rank under interleaved 1F1B) need at least "
-                f"{stages} blocks, but {cls}'s {container} holds {n}: {fits}"
+            raise TooFewBlocks(
+                f"it needs at least {stages} blocks, but {cls}'s {container} holds {len(blocks)}",
+                len(blocks),
             )
         per, extra = divmod(len(blocks), stages)
         bounds = [s * per + min(s, extra) for s in range(stages + 1)]
@@ -304,3 +309,15 @@ def stage_example(hidden: Any) -> Any:
     if isinstance(hidden, tuple):
         return tuple(torch.empty(0) for _ in hidden)
     return torch.empty_like(hidden).requires_grad_(hidden.is_floating_point())
+
+
+def step(schedule: Any, micro_batches: int) -> None:
+    """``schedule.step`` over ``micro_batches`` (the loss function's targets: their indices);
+    an exception of a stage's code raised as itself, not as the ``RuntimeError("[Stage 0]
+    failed to run forward: args: ...")`` torch wraps it in (which names no error)."""
+    try:
+        schedule.step(target=torch.arange(micro_batches), return_outputs=False)
+    except RuntimeError as exc:
+        if exc.__cause__ is None or "failed to run" not in str(exc).lower():
+            raise
+        raise exc.__cause__ from None

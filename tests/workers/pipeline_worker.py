@@ -107,6 +107,45 @@ class Scaled(Tagger):
         return {"pred": self.out(h).squeeze(-1)}
 
 
+class WideHead(Tagger):
+    """A head of 2 outputs (what a column-split head would shard)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(WIDTH, 2, dtype=torch.float64)
+
+
+class Boom(Tagger):
+    """Raises in training once armed (its stage check, in eval mode, passes)."""
+
+    armed = False  # on the class: each stage's copy of the model sees it
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if Boom.armed and self.training:
+            raise ValueError("user bug: a bad value in the first stage")
+        return super().forward(x)
+
+
+class ArmAtUpdate2(Callback):
+    """At update 2 rank 0's stage raises (inside torch's schedule); rank 1 stops too (in this
+    callback), so that neither waits for the other."""
+
+    def on_batch_begin(self, batch: Any) -> None:
+        if self.trainer.state.global_step == 1:
+            Boom.armed = True
+            if get_rank() == 1:
+                raise ValueError("rank 1 stops with rank 0")
+
+
+def failure(make: Any) -> str:
+    """The exception a run raised, as the trainer's one-line error names it."""
+    try:
+        make()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
 class DieOnce(Callback):
     """Rank 1 dies after update ``at`` on the first attempt (``None``: never); the step each
     attempt starts at is kept."""
@@ -150,7 +189,7 @@ def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw:
         model,
         optimizer=torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1),
         loss=token_loss,
-        callbacks_all=[GradientClipCallback(clip_value=0.5), die],
+        callbacks_all=[GradientClipCallback(clip_value=0.5), die, *kw.pop("callbacks", [])],
         batch_size_per_gpu=batch,
         update_every=update_every,
         n_epochs=3,
@@ -256,6 +295,8 @@ def main(argv: list[str]) -> int:
             result[f"fsdp_from_{run}"] = resumed
         # Per-stage memory, estimated and measured (the launch sets MALLOC_MMAP_THRESHOLD_).
         result["memory"] = estimate_worker.compare(Pipeline(stages=2), 2, 1, size=8)
+        boom = {"model": Boom(), "callbacks": [ArmAtUpdate2()]}  # last: the group is left failed
+        result["boom"] = failure(lambda: train(Pipeline(stages=2), out / "boom", **boom))
     elif mode == "resume":
         result["resumed"] = train(Pipeline(stages=2), out / "resumed", checkpoint_every=1, die_at=5)
     elif mode == "pp4":
@@ -276,6 +317,11 @@ def main(argv: list[str]) -> int:
         # pp=2 x tp=2: one data shard, so 4 micro-batches per update (16 sequences).
         tensor = Pipeline(stages=2, stage_strategy=FSDP(tp=2, tp_plan=TP_PLAN))
         result["pp_tp"] = train(tensor, out / "pp_tp", load_best_model=True)
+        # The head split too ("colwise"): each rank's stage 1 would hand on half the outputs.
+        plan = {**TP_PLAN, "out": "colwise"}
+        sharded_head = Pipeline(stages=2, stage_strategy=FSDP(tp=2, tp_plan=plan))
+        wide = WideHead()
+        result["colwise_head"] = refused(lambda: train(sharded_head, out / "head", model=wide))
     elif mode == "pp8":
         tensor = Pipeline(stages=2, stage_strategy=FSDP(tp=2, tp_plan=TP_PLAN))
         result["pp_dp_tp"] = train(tensor, out / "pp_dp_tp", update_every=2)

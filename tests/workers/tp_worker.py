@@ -52,12 +52,12 @@ class KillOnce(Callback):
 
 
 def trainer(strategy: Any, batch: int, **options: Any) -> DistTrainer:
-    model = BlockNet()
+    model = options.pop("model", None) or BlockNet()
     return DistTrainer(
         ToyData(N_TRAIN),
         model,
         optimizer=torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
-        loss=CrossEntropyLoss(),
+        loss=options.pop("loss", CrossEntropyLoss()),
         callbacks_all=[GradientClipCallback(clip_value=0.05), *options.pop("callbacks", [])],
         batch_size_per_gpu=batch,
         update_every=2,
@@ -173,6 +173,25 @@ def bad_input() -> dict[str, str]:
     return errors
 
 
+def colwise_head() -> str:
+    """The refusal of a plan splitting the output layer's features ("colwise", 2 outputs),
+    whose shard a squared error would broadcast against the target without a word."""
+    model = BlockNet()
+    model.out = torch.nn.Linear(model.out.in_features, 2)
+
+    def squared(output: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+        target = torch.nn.functional.one_hot(batch["target"] % 2, 2).to(output.dtype)
+        return ((output - target) ** 2).mean()
+
+    strategy = FSDP(tp=2, tp_plan={**PLAN, "out": "colwise"})
+    run = trainer(strategy, 8, model=model, loss=squared)
+    try:
+        run.train()
+    except Exception as exc:  # before the check: the wrong model failed only in evaluation
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
 def resume_copy(out: Path, batch: int, strategy: Any) -> dict[str, Any]:
     """Resume the 2x2 run's last checkpoint (a copy: nothing is left to train) on this world."""
     copy = out / f"ckpt-{get_rank()}"
@@ -219,6 +238,7 @@ def main(argv: list[str]) -> int:
         result["compiled"] = train("fsdp", 4, compile=True, timeout=None)  # see below
         result["resharded"] = resume_copy(out, 4, "fsdp")
         result["estimate"] = {s: estimate_worker.compare(s, 2, 2) for s in ("ddp", "fsdp")}
+        result["colwise_head"] = colwise_head()
     else:
         result["resharded"] = resume_copy(out, 8, "fsdp")
     write_json(out, result)
