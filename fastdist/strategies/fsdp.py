@@ -262,7 +262,8 @@ class FSDP(Strategy):
         shards over: ``dp_shard``, or ``dp_replicate`` x ``dp_shard`` (HSDP)."""
         topology = self.topology
         if self.tp > 1:
-            from fastdist.strategies.tensor_parallel import apply_plan, guard_output, resolve_plan
+            from fastdist.strategies.output_check import guard_output
+            from fastdist.strategies.tensor_parallel import apply_plan, resolve_plan
 
             plan = resolve_plan(model, self.tp_plan)
             guard_output(model, plan)

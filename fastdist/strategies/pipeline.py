@@ -25,6 +25,7 @@ from fastdist.distributed.dtensor import is_dtensor, is_fsdp_module
 from fastdist.strategies.base import MemoryShare, Strategy, Update
 from fastdist.strategies.ddp import DDP
 from fastdist.strategies.fsdp import FSDP, switch_parameters
+from fastdist.strategies.output_check import check_output_shapes
 from fastdist.strategies.pipeline_checks import (
     LOOPED,
     check_amp,
@@ -49,7 +50,6 @@ from fastdist.strategies.pipeline_state import (
 )
 from fastdist.strategies.stage_check import check_cut, check_gradients, unsharded_copy
 from fastdist.strategies.stages import StageModule, batch_shapes, stage_example, step
-from fastdist.strategies.tensor_parallel import check_output_shapes
 from fastdist.strategies.topology import Topology
 
 
