@@ -5,8 +5,8 @@ The lock is ``fcntl.flock`` on ``<directory>/.fastdist.lock``, which holds the p
 the holder. The operating system releases it when the holding process ends, however it ends,
 so a crashed or killed run leaves no stale lock and its restart is never blocked. A second run
 that finds it held fails at its start, on every rank alike (agreed as checkpoint writes are),
-naming the argument, its directory and the holder. ``flock`` is advisory and may not lock across the nodes
-of some network file systems (NFS before Linux 2.6.12 locks locally only).
+naming the argument, its directory and the holder. ``flock`` is advisory and may not lock
+across the nodes of some network file systems (NFS before Linux 2.6.12 locks locally only).
 """
 
 from __future__ import annotations

@@ -77,7 +77,11 @@ class KillAt(Callback):
 
 
 def trainer(
-    save: Path, loggers: list[Logger], data_seed: int = 0, kill_at: int = 0, checkpoint_dir: str = ""
+    save: Path,
+    loggers: list[Logger],
+    data_seed: int = 0,
+    kill_at: int = 0,
+    checkpoint_dir: str = "",
 ) -> DistTrainer:
     fastdist.set_seed(0)
     model = Linear()
