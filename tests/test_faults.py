@@ -123,6 +123,8 @@ def test_timeout_reports_every_ranks_position_collective_and_line(
     assert sorted(p.name for p in dumps.iterdir()) == [
         f"rank{r}.{kind}" for r in (0, 1) for kind in ("fr.json", "json", "stack.txt")
     ]
+    jobs = {json.loads((dumps / f"rank{r}.json").read_text())["job"] for r in (0, 1)}
+    assert len(jobs) == 1 and None not in jobs, jobs  # one id, shared by the job's ranks
     assert cli_main(["hang-report", str(dumps)]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(f"hang report of {dumps} (dumped at ")
@@ -322,6 +324,32 @@ def test_the_hang_report_names_a_dead_rank_that_wrote_no_dump() -> None:
     record = {"rank": 0, "world_size": 2, "time": 0.0, "error": None, "position": "step 3"}
     record |= {"stack": [["train.py", 7, "main"]], "collectives": {}}
     assert "rank 1: no record (dead, or not answering)" in describe({0: record})
+
+
+def test_the_hang_report_lists_an_earlier_jobs_records_as_stale(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An earlier job of 4 ranks (job "old") hung and dumped all its ranks; the newest job (2
+    ranks, "new") failed when rank 1 died, and only rank 0 dumped. The report is the new job's:
+    rank 1 has no record, and the old files are listed as an earlier job's, with their time,
+    and kept."""
+    record = {"rank": 0, "error": None, "position": "step 3", "collectives": {}}
+    record |= {"stack": [["train.py", 7, "main"]]}
+    for rank in range(4):
+        old = dict(record, rank=rank, job="old", world_size=4, time=1000.0 + rank)
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(old))
+    new = dict(record, job="new", world_size=2, time=2000.0, error="RuntimeError: closed")
+    (tmp_path / "rank0.json").write_text(json.dumps(new))
+    assert cli_main(["hang-report", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "FAILED with RuntimeError: closed" in lines[1], lines
+    at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(1001.0))
+    earlier = f"{tmp_path}/rank1.json is an earlier job's (old, at {at})"
+    assert lines[3] == f"  rank 1: no record (dead, or not answering); {earlier}", lines
+    assert lines[4].startswith(f"  stale: {tmp_path}/rank2.json is an earlier job's (old, "), lines
+    assert lines[5].startswith(f"  stale: {tmp_path}/rank3.json is an earlier job's (old, "), lines
+    assert "step 3" not in "\n".join(lines[2:]), lines  # no old state shown as the current one
+    assert len(list(tmp_path.glob("rank*.json"))) == 4  # the user's dumps are kept
 
 
 @pytest.mark.usefixtures("no_dist_env")

@@ -5,7 +5,9 @@ or ``$FASTDIST_HANG_DIR``): every rank wrote its record there. The report says, 
 collective it waits in or never entered (the missing ranks) and its Python line, as the failing
 rank logged it; each rank's whole stack is in ``rank<r>.stack.txt`` beside it, and its flight
 recorder buffer in ``rank<r>.fr.json``. A record file that does not read (truncated, corrupt)
-is named in the report, with what is wrong, and the others are reported.
+is named in the report, with what is wrong, and the others are reported. Only the newest job's
+records are reported (each record names its job): the files an earlier job left in DIR are
+listed as an earlier job's, with their time, and kept.
 
 Example:
     python -m fastdist hang-report save/hang
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    records, unreadable = read_records(args.dir)
+    records, unreadable, stale = read_records(args.dir)
     if not records and not unreadable:
         print(
             f"fastdist hang-report: no rank<r>.json in {args.dir}: pass the dump directory of a "
@@ -56,5 +58,5 @@ def run(args: argparse.Namespace) -> int:
     newest = max((record["time"] for record in records.values()), default=None)
     when = "?" if newest is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(newest))
     print(f"hang report of {args.dir} (dumped at {when}):")
-    print(describe(records, args.world_size, unreadable))
+    print(describe(records, args.world_size, unreadable, stale))
     return 1 if unreadable else 0

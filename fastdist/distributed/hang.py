@@ -13,6 +13,10 @@ directory, for ``python -m fastdist hang-report DIR``:
 - ``rank<r>.stack.txt``: the stack of the record and faulthandler's dump of every thread;
 - ``rank<r>.fr.json``: the flight recorder's buffer (its last ``TORCH_FR_BUFFER_SIZE`` entries).
 
+Each record names its job (``job``: an id rank 0 draws at the start of an attempt and every rank
+of it reads from the store), so that the report tells this job's records from those an earlier
+job left in the same directory.
+
 A process writes its files once, at its first record (the one that shows the hang), with the
 record's own flight-recorder dump; its record says why they could not be written
 (``dump_error``), so that the report does not name files that are not there.
@@ -32,6 +36,7 @@ import threading
 import time
 import traceback
 import types
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +53,7 @@ KNOWN_WAIT_S = 0.5
 #: The directory for the dumps when ``save_path`` does not give one (the tool's variable).
 DIR_VAR = "FASTDIST_HANG_DIR"
 
-_COUNT, _ANSWER = "fastdist/hang/count", "fastdist/hang/{}/{}"
+_COUNT, _ANSWER, _JOB = "fastdist/hang/count", "fastdist/hang/{}/{}", "fastdist/hang/job"
 _REQUEST = "fastdist/hang/request/{}/{}"  # a request's number and the rank asked: "" or "stop"
 #: How long the exit waits for the watcher to stop.
 STOP_WAIT_S = 2.0
@@ -67,6 +72,9 @@ class _Watch:
     def __init__(self, store: Any, rank: int, directory: str | None, position: Any) -> None:
         self.store, self.rank, self.directory, self.position = store, rank, directory, position
         self.world_size = dist.get_world_size()
+        if rank == 0:
+            store.set(_JOB, f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
+        self.job = store.get(_JOB).decode()  # waits for rank 0
         self.failure: dict[str, Any] | None = None  # this rank's record of its own failure
         self.written = False  # the first dump of this process stays: it shows the hang
         self.dump_error: str | None = None  # why that dump could not be written
@@ -97,6 +105,7 @@ class _Watch:
         recorder's dump ``recorded``), position."""
         return {
             "rank": self.rank,
+            "job": self.job,
             "world_size": self.world_size,
             "time": time.time(),
             "error": error,

@@ -9,6 +9,7 @@ waits in; the ranks whose last collective there is older never entered it: the m
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,12 @@ from fastdist.distributed.position import clock
 Record = dict[str, Any]
 
 
-def read_records(directory: str | Path) -> tuple[dict[int, Record], dict[int, str]]:
-    """The ``rank<r>.json`` records of a dump directory, by rank; and, by rank, what is wrong
-    with each file that holds no record (its path and why: truncated, corrupt...)."""
+def read_records(
+    directory: str | Path,
+) -> tuple[dict[int, Record], dict[int, str], dict[int, str]]:
+    """The ``rank<r>.json`` records of a dump directory's newest job (that of the newest
+    record), by rank; by rank, what is wrong with each file that holds no record (its path and
+    why: truncated, corrupt...); and, by rank, the files an earlier job left (path and time)."""
     records, unreadable = {}, {}
     for path in sorted(Path(directory).glob("rank*.json")):
         if not path.stem[4:].isdigit():
@@ -35,7 +39,14 @@ def read_records(directory: str | Path) -> tuple[dict[int, Record], dict[int, st
             records[rank] = record
         else:
             unreadable[rank] = f"{path}: {problem}"
-    return records, unreadable
+    newest = max(records.values(), key=lambda record: record["time"], default={}).get("job")
+    stale = {
+        rank: f"{directory}/rank{rank}.json is an earlier job's ({record.get('job') or 'no id'}, "
+        f"at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(record['time']))})"
+        for rank, record in records.items()
+        if record.get("job") != newest
+    }
+    return {r: v for r, v in records.items() if r not in stale}, unreadable, stale
 
 
 def _problem(record: Any, rank: int) -> str | None:
@@ -67,11 +78,13 @@ def describe(
     records: dict[int, Record],
     world_size: int | None = None,
     unreadable: dict[int, str] | None = None,
+    stale: dict[int, str] | None = None,
 ) -> str:
     """The report of ``records`` (by rank) of a job of ``world_size`` ranks (default: the
     world size the records name, so that a dead rank that wrote none is named too); the ranks
-    of ``unreadable`` (what is wrong with their files) are named with it."""
-    unreadable = unreadable or {}
+    of ``unreadable`` (what is wrong with their files) are named with it, and the files of
+    ``stale`` (an earlier job's, by rank) are listed as such, never as this job's state."""
+    unreadable, stale = unreadable or {}, stale or {}
     known = [r.get("world_size", 0) for r in records.values()]
     world_size = world_size or max([*known, max([*records, *unreadable], default=-1) + 1])
     waited = _waited(records)
@@ -88,7 +101,8 @@ def describe(
             lines.append(f"  rank {rank}: no record: {unreadable[rank]}")
             continue
         if record is None:
-            lines.append(f"  rank {rank}: no record (dead, or not answering)")
+            earlier = f"; {stale[rank]}" if rank in stale else ""
+            lines.append(f"  rank {rank}: no record (dead, or not answering){earlier}")
             continue
         state = f"FAILED with {record['error']}" if record.get("error") else record["position"]
         lines.append(f"  rank {rank} (at {clock(record['time'])}): {state}")
@@ -101,6 +115,7 @@ def describe(
                 f"  missing ranks: {missing[group]} never entered {name} #{seq} of group "
                 f"{group} (ranks {inside} entered it)"
             )
+    lines.extend(f"  stale: {stale[rank]}" for rank in sorted(stale) if rank >= world_size)
     if not any(r.get("collectives") for r in records.values()):
         lines.append("  no collectives recorded (the flight recorder is off: TORCH_FR_BUFFER_SIZE)")
     return "\n".join(lines)
