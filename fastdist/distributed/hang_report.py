@@ -39,7 +39,7 @@ def read_records(
             records[rank] = record
         else:
             unreadable[rank] = f"{path}: {problem}"
-    newest = max(records.values(), key=lambda record: record["time"], default={}).get("job")
+    newest = max(records.values(), key=lambda r: r["time"]).get("job") if records else None
     stale = {
         rank: f"{directory}/rank{rank}.json is an earlier job's ({record.get('job') or 'no id'}, "
         f"at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(record['time']))})"
