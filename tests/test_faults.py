@@ -147,10 +147,16 @@ def test_a_rank_busy_when_its_peer_dies_exits_on_sigterm(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_the_report_says_where_a_dead_rank_was_a_second_before(tmp_path: Path) -> None:
     """Rank 1 dies in update 4 (updates of 1.1 s, no sync point since the start): rank 0's
-    report places it after update 3 (it said step 0, its last phase change)."""
-    output = _failed("dies_mid_run", tmp_path)
+    report places it after update 3 (it said step 0, its last phase change), and its hang
+    report, logged before torchrun's SIGTERM ends it, names rank 1 as dead."""
+    result, _ = _launch("dies_mid_run", tmp_path)
+    output = result.output
     assert "a collective failed on rank 0" in output, output
     assert re.search(r"rank 1: epoch 1, step 3, phase train \(published [01] s ago, at ", output)
+    # torchrun's SIGTERM to rank 0 waits for the hang report, which names the dead rank; then
+    # rank 0 exits with 143, as the signal would have ended it
+    assert "  rank 1: no record (dead, or not answering)" in output, result.describe()
+    assert re.search(r"exitcode\s*:\s*143\b", output), result.describe()
 
 
 @pytest.mark.slow

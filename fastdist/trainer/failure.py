@@ -14,6 +14,7 @@ from fastdist.distributed.env import note_failure
 from fastdist.distributed.hang_report import describe
 from fastdist.distributed.position import PositionBoard
 from fastdist.logging import logger
+from fastdist.trainer.preemption import sigterm_deferred
 
 # What gloo and nccl put in the message of a collective that timed out or lost a peer.
 _COLLECTIVE_MARKERS = ("Timed out", "timed out", "Connection closed by peer", "Connection reset")
@@ -35,8 +36,15 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
     :data:`~fastdist.distributed.bounded.STORE_WAIT_S` that they failed too (dead, stuck or cut
     off: where all were in the same collective, only this names them); then the hang report:
     each rank's collective and Python line (:mod:`fastdist.distributed.hang`). Every wait on
-    the store is bounded: its host may be cut off from this rank.
+    the store is bounded: its host may be cut off from this rank. A SIGTERM (torchrun's, once
+    a rank died) waits until the report is logged (:func:`sigterm_deferred`, a few seconds).
     """
+    with sigterm_deferred():
+        _report(exc, board, timeout)
+        exc.fastdist_reported = True  # type: ignore[attr-defined]
+
+
+def _report(exc: BaseException, board: PositionBoard, timeout: float | None) -> None:
     note_failure(exc)
     hang.note_failure(exc)
     summary = f"{type(exc).__name__}: {exc}".strip()
@@ -60,7 +68,6 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
             logger.error("%s:\n%s", _dumps(records), describe(records, board.world_size))
     else:
         logger.error("rank %d raised %s\n%s", board.rank, summary, board.report(), exc_info=exc)
-    exc.fastdist_reported = True  # type: ignore[attr-defined]
 
 
 def _silent(records: dict[int, dict[str, Any]], board: PositionBoard) -> list[int]:

@@ -97,6 +97,28 @@ class SigtermFlag:
         raise SystemExit(SIGTERM_EXIT_CODE)
 
 
+@contextlib.contextmanager
+def sigterm_deferred() -> Iterator[None]:
+    """Hold a SIGTERM back while the block runs (the failure report: torchrun sends one to the
+    other ranks as soon as one died), then end the process with :data:`SIGTERM_EXIT_CODE`, or
+    hand the signal to the handler that was in place if it is not the default. Outside the
+    main thread it holds nothing back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        if received and previous in (signal.SIG_DFL, None):
+            sys.stderr.flush()
+            raise SystemExit(SIGTERM_EXIT_CODE)
+        if received:
+            signal.raise_signal(signal.SIGTERM)
+
+
 class SignalChecks:
     """When the ranks next agree on the signals between log steps.
 
