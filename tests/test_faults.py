@@ -332,6 +332,36 @@ def test_the_hang_report_names_a_dead_rank_that_wrote_no_dump() -> None:
     assert "rank 1: no record (dead, or not answering)" in describe({0: record})
 
 
+def test_the_hang_report_names_corrupt_times_and_sizes_and_stays_bounded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A time of 1e300 or NaN, a world_size of 1e9 and a file rank999999999.json are each
+    named on their rank's line (they raised OverflowError / ValueError, or made a line per
+    absent rank up to 1e9); --world-size above the maximum is refused naming it."""
+    from fastdist.distributed.hang_report import MAX_WORLD_SIZE
+
+    record = {"rank": 0, "world_size": 4, "time": 0.0, "error": None, "position": "step 3"}
+    record |= {"stack": [["train.py", 7, "main"]], "collectives": {}}
+    (tmp_path / "rank0.json").write_text(json.dumps(record))
+    bad = {1: {"time": 1e300}, 2: {"time": float("nan")}, 3: {"world_size": 10**9}}
+    for rank, change in bad.items():
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(record | {"rank": rank} | change))
+    (tmp_path / "rank999999999.json").write_text(json.dumps(record | {"rank": 999999999}))
+    start = time.monotonic()
+    assert cli_main(["hang-report", str(tmp_path)]) == 1
+    assert time.monotonic() - start < 5
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 8, lines  # headline, rank 0 (2 lines), ranks 1-3, rank 999999999, note
+    assert lines[3].endswith("its time is not a time (seconds since 1970): 1e+300"), lines
+    assert lines[4].endswith("its time is not a time (seconds since 1970): nan"), lines
+    sizes = f"its world_size is not a number of ranks (1 to {MAX_WORLD_SIZE}): 1000000000"
+    assert lines[5].endswith(sizes), lines
+    huge = f"  rank 999999999: no record: {tmp_path / 'rank999999999.json'}: a rank beyond"
+    assert lines[6].startswith(huge), lines
+    assert cli_main(["hang-report", str(tmp_path), "--world-size", "1000000000"]) == 2
+    assert f"(1 or more, at most {MAX_WORLD_SIZE})" in capsys.readouterr().err
+
+
 def test_the_hang_report_lists_an_earlier_jobs_records_as_stale(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -431,4 +461,4 @@ def test_the_hang_report_names_a_truncated_record_and_reports_the_rest(
     for size in ("0", "-2"):
         assert cli_main(["hang-report", str(tmp_path), "--world-size", size]) == 2
         error = capsys.readouterr().err
-        assert f"--world-size {size}: pass the number of ranks of the job (1 or more)" in error
+        assert f"--world-size {size}: pass the number of ranks of the job (1 or more," in error

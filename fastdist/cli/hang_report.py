@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from fastdist.distributed.hang_report import describe, read_records
+from fastdist.distributed.hang_report import MAX_WORLD_SIZE, describe, read_records
 
 
 def add_parser(commands: Any) -> None:
@@ -39,11 +39,12 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the report; return 0, 1 when DIR holds no dumps or one that does not read (named
-    in the report), 2 for a bad ``--world-size``."""
-    if args.world_size is not None and args.world_size < 1:
+    in the report), 2 for a bad ``--world-size`` (below 1 or above :data:`MAX_WORLD_SIZE`)."""
+    if args.world_size is not None and not 1 <= args.world_size <= MAX_WORLD_SIZE:
         print(
             f"fastdist hang-report: --world-size {args.world_size}: pass the number of ranks "
-            "of the job (1 or more), or leave it out (the dumps' world size)",
+            f"of the job (1 or more, at most {MAX_WORLD_SIZE}), or leave it out (the dumps' "
+            "world size)",
             file=sys.stderr,
         )
         return 2

@@ -17,6 +17,10 @@ from fastdist.distributed.hang import is_library
 from fastdist.distributed.position import clock
 
 Record = dict[str, Any]
+#: The most ranks a report covers (a record's ``world_size``, a file's rank, ``--world-size``).
+MAX_WORLD_SIZE = 100_000
+#: Record times later than this (the year 5138) are corrupt.
+_MAX_TIME = 1e11
 
 
 def read_records(
@@ -30,6 +34,9 @@ def read_records(
         if not path.stem[4:].isdigit():
             continue
         rank = int(path.stem[4:])
+        if rank >= MAX_WORLD_SIZE:
+            unreadable[rank] = f"{path}: a rank beyond the most a report covers ({MAX_WORLD_SIZE})"
+            continue
         try:
             record = json.loads(path.read_text())
             problem = _problem(record, rank)
@@ -69,8 +76,12 @@ def _problem(record: Any, rank: int) -> str | None:
         for c in collectives.values()
     ):
         return 'its collectives are not {group: {"seq": n, "name": ...}}'
-    if not isinstance(record["time"], (int, float)):
-        return "its time is not a number"
+    when = record["time"]
+    if not isinstance(when, (int, float)) or not 0 <= when <= _MAX_TIME:  # NaN fails too
+        return f"its time is not a time (seconds since 1970): {when!r}"
+    size = record.get("world_size", 1)
+    if not isinstance(size, int) or not 1 <= size <= MAX_WORLD_SIZE:
+        return f"its world_size is not a number of ranks (1 to {MAX_WORLD_SIZE}): {size!r}"
     return None
 
 
@@ -86,7 +97,10 @@ def describe(
     ``stale`` (an earlier job's, by rank) are listed as such, never as this job's state."""
     unreadable, stale = unreadable or {}, stale or {}
     known = [r.get("world_size", 0) for r in records.values()]
-    world_size = world_size or max([*known, max([*records, *unreadable], default=-1) + 1])
+    # the ranks the files name: no line per absent rank beyond them, nor beyond the maximum
+    world_size = min(
+        world_size or max(known, default=0) or max(records, default=-1) + 1, MAX_WORLD_SIZE
+    )
     waited = _waited(records)
     missing = {
         group: [r for r, record in records.items() if _seq(record, group) < seq]
@@ -115,6 +129,8 @@ def describe(
                 f"  missing ranks: {missing[group]} never entered {name} #{seq} of group "
                 f"{group} (ranks {inside} entered it)"
             )
+    beyond = sorted(rank for rank in unreadable if rank >= world_size)
+    lines.extend(f"  rank {rank}: no record: {unreadable[rank]}" for rank in beyond)
     lines.extend(f"  stale: {stale[rank]}" for rank in sorted(stale) if rank >= world_size)
     if not any(r.get("collectives") for r in records.values()):
         lines.append("  no collectives recorded (the flight recorder is off: TORCH_FR_BUFFER_SIZE)")
