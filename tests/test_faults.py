@@ -362,6 +362,20 @@ def test_the_hang_report_names_corrupt_times_and_sizes_and_stays_bounded(
     assert f"(1 or more, at most {MAX_WORLD_SIZE})" in capsys.readouterr().err
 
 
+def test_the_hang_reports_your_code_as_the_writer_saw_it() -> None:
+    """Which frames are the user's is decided where the record was written (its ``yours``),
+    not by the paths of the fastdist that reads it; a record without it falls back to them."""
+    from fastdist.distributed.hang_report import describe
+
+    fastdist_file = str(Path(cli_main.__code__.co_filename))  # the reader's fastdist
+    stack = [["/job/train.py", 7, "main"], [fastdist_file, 40, "main"]]
+    record = {"rank": 0, "world_size": 1, "time": 0.0, "error": None, "position": "step 3"}
+    record |= {"stack": stack, "collectives": {}}
+    written = describe({0: record | {"yours": [False, True]}})
+    assert f"at {fastdist_file}:40 in main (your code)" in written, written
+    assert "at /job/train.py:7 in main (your code), innermost" in describe({0: record})
+
+
 def test_the_hang_report_lists_an_earlier_jobs_records_as_stale(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

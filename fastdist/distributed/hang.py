@@ -111,6 +111,7 @@ class _Watch:
             "error": error,
             "position": self.position(),
             "stack": [[f.filename, f.lineno, f.name] for f in stack],
+            "yours": [not is_library(f.filename) for f in stack],  # by this rank's paths
             "collectives": last_collectives(recorded),
         }
 

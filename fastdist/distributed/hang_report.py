@@ -70,6 +70,9 @@ def _problem(record: Any, rank: int) -> str | None:
         isinstance(f, list) and len(f) == 3 and isinstance(f[1], int) for f in frames
     ):
         return "its stack is not a list of [file, line, function]"
+    yours = record.get("yours", [])
+    if not isinstance(yours, list) or not all(isinstance(y, bool) for y in yours):
+        return "its yours is not a list of true/false (one per frame)"
     collectives = record.get("collectives", {})
     if not isinstance(collectives, dict) or not all(
         isinstance(c, dict) and isinstance(c.get("seq"), int) and "name" in c
@@ -121,7 +124,7 @@ def describe(
         state = f"FAILED with {record['error']}" if record.get("error") else record["position"]
         lines.append(f"  rank {rank} (at {clock(record['time'])}): {state}")
         lines.extend(f"    {line}" for line in _collectives(record, waited))
-        lines.append(f"    at {_line(record['stack'])}")
+        lines.append(f"    at {_line(record['stack'], record.get('yours'))}")
     for group, (seq, name) in waited.items():
         if missing[group]:
             inside = [r for r in records if r not in missing[group]]
@@ -167,13 +170,16 @@ def _collectives(record: Record, waited: dict[str, tuple[int, str]]) -> list[str
     return lines
 
 
-def _line(stack: list[list[Any]]) -> str:
+def _line(stack: list[list[Any]], yours: list[bool] | None = None) -> str:
     """``file:line in function`` of the innermost frame of the user's code, and of the
-    innermost frame if that is elsewhere (stack outermost first)."""
+    innermost frame if that is elsewhere (stack outermost first). Which frames are the user's:
+    ``yours``, as the rank that wrote the record saw it (its paths), else by this process's."""
     if not stack:
         return "no Python stack"
     where = [f"{file}:{line} in {name}" for file, line, name in stack]
-    user = [w for w, (file, _, _) in zip(where, stack, strict=True) if not is_library(file)]
+    if yours is None or len(yours) != len(stack):  # a record of an older fastdist
+        yours = [not is_library(file) for file, _, _ in stack]
+    user = [w for w, mine in zip(where, yours, strict=True) if mine]
     if not user:
         return where[-1]
     if user[-1] == where[-1]:
