@@ -26,6 +26,7 @@ from inprocess import make_trainer
 from fastdist import DistTrainer
 from fastdist.callbacks import Callback
 from fastdist.checkpoint.files import CheckpointDir, atomic_file
+from fastdist.checkpoint.lock import LOCK_FILE
 
 pytestmark = pytest.mark.usefixtures("no_dist_env")
 
@@ -37,8 +38,9 @@ def trainer(save_path: Path | None, **kwargs: Any) -> DistTrainer:
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
-    """Every file under ``directory`` by relative path, with its bytes."""
-    files = (path for path in directory.rglob("*") if path.is_file())
+    """Every file under ``directory`` by relative path, with its bytes; not the lock file a
+    run with this ``checkpoint_dir`` leaves (its holder's pid)."""
+    files = (p for p in directory.rglob("*") if p.is_file() and p.name != LOCK_FILE)
     return {str(path.relative_to(directory)): path.read_bytes() for path in files}
 
 
