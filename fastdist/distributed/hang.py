@@ -72,9 +72,9 @@ class _Watch:
     def __init__(self, store: Any, rank: int, directory: str | None, position: Any) -> None:
         self.store, self.rank, self.directory, self.position = store, rank, directory, position
         self.world_size = dist.get_world_size()
+        self.job: str | None = None  # read by the watcher's thread: no wait for rank 0 here
         if rank == 0:
             store.set(_JOB, f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
-        self.job = store.get(_JOB).decode()  # waits for rank 0
         self.failure: dict[str, Any] | None = None  # this rank's record of its own failure
         self.written = False  # the first dump of this process stays: it shows the hang
         self.dump_error: str | None = None  # why that dump could not be written
@@ -83,6 +83,8 @@ class _Watch:
 
     def run(self) -> None:
         client = self.store.clone()
+        with contextlib.suppress(Exception):  # the store gone: the job is over
+            self.read_job(client)
         while True:
             key = _REQUEST.format(self.number, self.rank)
             try:  # a day's wait: each timeout prints torch's socket warnings
@@ -97,6 +99,16 @@ class _Watch:
             except Exception:  # the store went while answering
                 return
             self.number += 1
+
+    def read_job(self, client: Any) -> None:
+        """The job's id, once rank 0 has set it; without waiting in the store's C++ code (an
+        exit could not stop that), and no longer once a request or the stop came."""
+        asked = _REQUEST.format(self.number, self.rank)
+        while not client.check([_JOB]):
+            if client.check([asked]):
+                return
+            time.sleep(0.05)
+        self.job = client.get(_JOB).decode()
 
     def record(
         self, stack: traceback.StackSummary, recorded: dict[str, Any], error: str | None = None
