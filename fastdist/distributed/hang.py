@@ -37,6 +37,7 @@ import time
 import traceback
 import types
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,9 @@ FR_ENTRIES = 200
 ANSWER_WAIT_S = 5.0
 #: How long it waits for a rank that answered an earlier request (its earlier record stands in).
 KNOWN_WAIT_S = 0.5
+#: How long it waits once a SIGTERM came (torchrun's: a rank is gone; the live ones answer at
+#: once, from their watcher's thread).
+STOPPING_WAIT_S = 1.5
 #: The directory for the dumps when ``save_path`` does not give one (the tool's variable).
 DIR_VAR = "FASTDIST_HANG_DIR"
 
@@ -211,10 +215,13 @@ def note_failure(exc: BaseException) -> None:
     _watch.write(_watch.failure, recorded)
 
 
-def collect(world_size: int) -> dict[int, dict[str, Any]]:
+def collect(
+    world_size: int, stopping: Callable[[], bool] = lambda: False
+) -> dict[int, dict[str, Any]]:
     """Ask every rank for its record; return those that came (by rank). A rank that answered
     an earlier request (its own failure, say) is given :data:`KNOWN_WAIT_S` before its
-    earlier record stands in; the others :data:`ANSWER_WAIT_S`. Empty without a watcher."""
+    earlier record stands in; the others :data:`ANSWER_WAIT_S`, or :data:`STOPPING_WAIT_S`
+    once ``stopping()`` is true (a SIGTERM came). Empty without a watcher."""
     if _watch is None:
         return {}
     store = _watch.store
@@ -232,7 +239,7 @@ def collect(world_size: int) -> dict[int, dict[str, Any]]:
                 records[rank] = json.loads(store.get(key))
             elif earlier[rank] is not None and waited > KNOWN_WAIT_S:
                 records[rank] = json.loads(store.get(earlier[rank]))
-        if waited > ANSWER_WAIT_S:
+        if waited > ANSWER_WAIT_S or (waited > STOPPING_WAIT_S and stopping()):
             break
         time.sleep(0.05)
     return records

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -39,12 +40,14 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
     the store is bounded: its host may be cut off from this rank. A SIGTERM (torchrun's, once
     a rank died) waits until the report is logged (:func:`sigterm_deferred`, a few seconds).
     """
-    with sigterm_deferred():
-        _report(exc, board, timeout)
+    with sigterm_deferred() as stopping:
+        _report(exc, board, timeout, stopping)
         exc.fastdist_reported = True  # type: ignore[attr-defined]
 
 
-def _report(exc: BaseException, board: PositionBoard, timeout: float | None) -> None:
+def _report(
+    exc: BaseException, board: PositionBoard, timeout: float | None, stopping: Callable[[], bool]
+) -> None:
     note_failure(exc)
     hang.note_failure(exc)
     summary = f"{type(exc).__name__}: {exc}".strip()
@@ -54,7 +57,8 @@ def _report(exc: BaseException, board: PositionBoard, timeout: float | None) -> 
         headline = f"a collective failed on rank {board.rank} (waits are bounded by {limit})"
         logger.error("%s: %s\n%s", headline, summary, board.report())  # before torchrun's SIGTERM
         try:  # up to ANSWER_WAIT_S; none in a one-process world
-            records = within(hang.ANSWER_WAIT_S + 1, lambda: hang.collect(board.world_size))
+            ask = lambda: hang.collect(board.world_size, stopping)  # noqa: E731
+            records = within(hang.ANSWER_WAIT_S + 1, ask)
         except Exception:  # the store's host is out of reach: the report above stands
             records = {}
         silent = _silent(records, board)
