@@ -30,7 +30,7 @@ def test_a_resumable_script_passes(tmp_path: Path) -> None:
     assert code == 0, output
     message = "killed at update 3 and resumed, the model at update 6 equals an uninterrupted"
     assert f"check-resume passed: {message} run's, bit for bit" in output
-    assert not (tmp_path / "runs").exists()  # removed when the check passes
+    assert list((tmp_path / "runs").iterdir()) == []  # emptied; the user's --dir stays
     assert not (tmp_path / "save").exists()  # the script's own save_path is not used
 
 
@@ -64,11 +64,25 @@ def test_a_script_that_trains_fewer_updates_fails_naming_them(
     assert not (runs / "killed.log").exists()
 
 
+def test_a_script_that_never_trains_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "no_trainer.py"
+    script.write_text('print("I train nothing")\n')
+    assert cli_main(["check-resume", str(script), "--dir", str(tmp_path / "runs")]) == 2
+    error = capsys.readouterr().err
+    assert "the script exited without calling DistTrainer.train()" in error, error
+
+
 def test_bad_arguments_are_refused_naming_them(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["check-resume", str(SCRIPT), "--updates", "5"]) == 2
     assert "--updates 5: pass an even number >= 2" in capsys.readouterr().err
     assert cli_main(["check-resume", "missing.py"]) == 2
     assert "SCRIPT 'missing.py' is not a file" in capsys.readouterr().err
+    for timeout in ("0", "-5"):
+        assert cli_main(["check-resume", str(SCRIPT), "--timeout", timeout]) == 2
+        error = capsys.readouterr().err
+        assert f"--timeout {timeout}: pass the seconds each run may take, above 0" in error
     with pytest.raises(SystemExit):  # argparse's usage error
         cli_main(["env", "--", "x"])
     assert "only check-resume takes arguments after --" in capsys.readouterr().err

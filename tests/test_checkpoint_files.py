@@ -26,6 +26,7 @@ from inprocess import make_trainer
 from fastdist import DistTrainer
 from fastdist.callbacks import Callback
 from fastdist.checkpoint.files import CheckpointDir, atomic_file
+from fastdist.checkpoint.lock import LOCK_FILE
 
 pytestmark = pytest.mark.usefixtures("no_dist_env")
 
@@ -37,8 +38,9 @@ def trainer(save_path: Path | None, **kwargs: Any) -> DistTrainer:
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
-    """Every file under ``directory`` by relative path, with its bytes."""
-    files = (path for path in directory.rglob("*") if path.is_file())
+    """Every file under ``directory`` by relative path, with its bytes; not the lock file a
+    run with this ``checkpoint_dir`` leaves (its holder's pid)."""
+    files = (p for p in directory.rglob("*") if p.is_file() and p.name != LOCK_FILE)
     return {str(path.relative_to(directory)): path.read_bytes() for path in files}
 
 
@@ -306,11 +308,12 @@ def _killed_mid_write(path: Path) -> None:
 
 
 def test_a_start_removes_the_temps_of_killed_writes_and_nothing_else(
-    tmp_path: Path, log_lines: list[str]
+    tmp_path: Path, log_lines: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A process killed while it writes a checkpoint leaves its temp, full size; a stale
     sharded temp folder too. The next start (here a fresh one) removes both, says so in one
-    line, and leaves the temps of a live writer (a thread here) and every other file alone."""
+    line (in KiB), names in a warning the one it cannot remove, and leaves the temps of a live
+    writer (a thread here), a temp's name on the wrong kind and every other file alone."""
     checkpoints = tmp_path / "save" / "checkpoints"
     checkpoints.mkdir(parents=True)
     _killed_mid_write(checkpoints / "step-00000003.pt")
@@ -319,6 +322,20 @@ def test_a_start_removes_the_temps_of_killed_writes_and_nothing_else(
     users = [".tmp-notes.txt", ".tmp-0123-step-00000005.pt", "step-3.pt.tmp", ".tmp-step-x"]
     for name in users:
         (checkpoints / name).write_text("the user's")
+    # names of temps, not their kind: a folder named as a .pt temp, a file as a sharded one
+    (checkpoints / f".tmp-{'a' * 32}-step-00000006.pt").mkdir()
+    (checkpoints / ".tmp-step-00000007").write_text("the user's")
+    users += [f".tmp-{'a' * 32}-step-00000006.pt", ".tmp-step-00000007"]
+    stuck = f".tmp-{'b' * 32}-manifest.json"  # a killed write's, that cannot be removed
+    (checkpoints / stuck).write_text("[]")
+    remove = os.remove
+
+    def refused(path: str | os.PathLike[str]) -> None:
+        if str(path).endswith(stuck):
+            raise PermissionError(1, "Operation not permitted", str(path))
+        remove(path)
+
+    monkeypatch.setattr(os, "remove", refused)  # as for an immutable file (chattr +i)
     live_dir = checkpoints / ".tmp-step-00000010"  # a sharded write's, live: locked
     live_dir.mkdir()
     held = os.open(live_dir, os.O_RDONLY)
@@ -340,11 +357,14 @@ def test_a_start_removes_the_temps_of_killed_writes_and_nothing_else(
         assert (checkpoints / stale).stat().st_size == 100_000
         trainer(tmp_path / "save", n_epochs=1).train()
         left = sorted(n for n in os.listdir(checkpoints) if "tmp" in n)
-        assert left == sorted([*users, live_dir.name, live])
+        assert left == sorted([*users, live_dir.name, live, stuck])
         removed = [line for line in log_lines if "temp(s)" in line]
         assert removed == [
-            f"INFO removed 2 temp(s) of checkpoint writes that were killed (0.10 MiB) from "
-            f"{checkpoints}: {stale}, .tmp-step-00000004"
+            f"INFO removed 2 temp(s) of checkpoint writes that were killed (103 KiB) from "
+            f"{checkpoints}: {stale}, .tmp-step-00000004",
+            f"WARNING could not remove 1 temp(s) of checkpoint writes that were killed from "
+            f"{checkpoints}: {stuck} (Operation not permitted); remove them yourself (they take "
+            "disk space)",
         ]
     finally:
         done.set()

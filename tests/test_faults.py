@@ -147,6 +147,8 @@ def test_timeout_reports_every_ranks_position_collective_and_line(
     assert sorted(p.name for p in dumps.iterdir()) == [
         f"rank{r}.{kind}" for r in (0, 1) for kind in ("fr.json", "json", "stack.txt")
     ]
+    jobs = {json.loads((dumps / f"rank{r}.json").read_text())["job"] for r in (0, 1)}
+    assert len(jobs) == 1 and None not in jobs, jobs  # one id, shared by the job's ranks
     assert cli_main(["hang-report", str(dumps)]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(f"hang report of {dumps} (dumped at ")
@@ -169,10 +171,16 @@ def test_a_rank_busy_when_its_peer_dies_exits_on_sigterm(waiting: Waiting) -> No
 @pytest.mark.slow
 def test_the_report_says_where_a_dead_rank_was_a_second_before(tmp_path: Path) -> None:
     """Rank 1 dies in update 4 (updates of 1.1 s, no sync point since the start): rank 0's
-    report places it after update 3 (it said step 0, its last phase change)."""
-    output = _failed("dies_mid_run", tmp_path)
+    report places it after update 3 (it said step 0, its last phase change), and its hang
+    report, logged before torchrun's SIGTERM ends it, names rank 1 as dead."""
+    result, _ = _launch("dies_mid_run", tmp_path)
+    output = result.output
     assert "a collective failed on rank 0" in output, output
     assert re.search(r"rank 1: epoch 1, step 3, phase train \(published [01] s ago, at ", output)
+    # torchrun's SIGTERM to rank 0 waits for the hang report, which names the dead rank; then
+    # rank 0 exits with 143, as the signal would have ended it
+    assert "  rank 1: no record (dead, or not answering)" in output, result.describe()
+    assert re.search(r"exitcode\s*:\s*143\b", output), result.describe()
 
 
 @pytest.mark.slow
@@ -356,6 +364,76 @@ def test_the_hang_report_names_a_dead_rank_that_wrote_no_dump() -> None:
     assert "rank 1: no record (dead, or not answering)" in describe({0: record})
 
 
+def test_the_hang_report_names_corrupt_times_and_sizes_and_stays_bounded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A time of 1e300 or NaN, a world_size of 1e9 and a file rank999999999.json are each
+    named on their rank's line (they raised OverflowError / ValueError, or made a line per
+    absent rank up to 1e9); --world-size above the maximum is refused naming it."""
+    from fastdist.distributed.hang_report import MAX_WORLD_SIZE
+
+    record = {"rank": 0, "world_size": 4, "time": 0.0, "error": None, "position": "step 3"}
+    record |= {"stack": [["train.py", 7, "main"]], "collectives": {}}
+    (tmp_path / "rank0.json").write_text(json.dumps(record))
+    bad = {1: {"time": 1e300}, 2: {"time": float("nan")}, 3: {"world_size": 10**9}}
+    for rank, change in bad.items():
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(record | {"rank": rank} | change))
+    (tmp_path / "rank999999999.json").write_text(json.dumps(record | {"rank": 999999999}))
+    start = time.monotonic()
+    assert cli_main(["hang-report", str(tmp_path)]) == 1
+    assert time.monotonic() - start < 5
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 8, lines  # headline, rank 0 (2 lines), ranks 1-3, rank 999999999, note
+    assert lines[3].endswith("its time is not a time (seconds since 1970): 1e+300"), lines
+    assert lines[4].endswith("its time is not a time (seconds since 1970): nan"), lines
+    sizes = f"its world_size is not a number of ranks (1 to {MAX_WORLD_SIZE}): 1000000000"
+    assert lines[5].endswith(sizes), lines
+    huge = f"  rank 999999999: no record: {tmp_path / 'rank999999999.json'}: a rank beyond"
+    assert lines[6].startswith(huge), lines
+    assert cli_main(["hang-report", str(tmp_path), "--world-size", "1000000000"]) == 2
+    assert f"(1 or more, at most {MAX_WORLD_SIZE})" in capsys.readouterr().err
+
+
+def test_the_hang_reports_your_code_as_the_writer_saw_it() -> None:
+    """Which frames are the user's is decided where the record was written (its ``yours``),
+    not by the paths of the fastdist that reads it; a record without it falls back to them."""
+    from fastdist.distributed.hang_report import describe
+
+    fastdist_file = str(Path(cli_main.__code__.co_filename))  # the reader's fastdist
+    stack = [["/job/train.py", 7, "main"], [fastdist_file, 40, "main"]]
+    record = {"rank": 0, "world_size": 1, "time": 0.0, "error": None, "position": "step 3"}
+    record |= {"stack": stack, "collectives": {}}
+    written = describe({0: record | {"yours": [False, True]}})
+    assert f"at {fastdist_file}:40 in main (your code)" in written, written
+    assert "at /job/train.py:7 in main (your code), innermost" in describe({0: record})
+
+
+def test_the_hang_report_lists_an_earlier_jobs_records_as_stale(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An earlier job of 4 ranks (job "old") hung and dumped all its ranks; the newest job (2
+    ranks, "new") failed when rank 1 died, and only rank 0 dumped. The report is the new job's:
+    rank 1 has no record, and the old files are listed as an earlier job's, with their time,
+    and kept."""
+    record = {"rank": 0, "error": None, "position": "step 3", "collectives": {}}
+    record |= {"stack": [["train.py", 7, "main"]]}
+    for rank in range(4):
+        old = dict(record, rank=rank, job="old", world_size=4, time=1000.0 + rank)
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(old))
+    new = dict(record, job="new", world_size=2, time=2000.0, error="RuntimeError: closed")
+    (tmp_path / "rank0.json").write_text(json.dumps(new))
+    assert cli_main(["hang-report", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "FAILED with RuntimeError: closed" in lines[1], lines
+    at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(1001.0))
+    earlier = f"{tmp_path}/rank1.json is an earlier job's (old, at {at})"
+    assert lines[3] == f"  rank 1: no record (dead, or not answering); {earlier}", lines
+    assert lines[4].startswith(f"  stale: {tmp_path}/rank2.json is an earlier job's (old, "), lines
+    assert lines[5].startswith(f"  stale: {tmp_path}/rank3.json is an earlier job's (old, "), lines
+    assert "step 3" not in "\n".join(lines[2:]), lines  # no old state shown as the current one
+    assert len(list(tmp_path.glob("rank*.json"))) == 4  # the user's dumps are kept
+
+
 @pytest.mark.usefixtures("no_dist_env")
 def test_a_hang_answer_dumps_the_flight_recorder_once_and_says_where_it_could_not_write(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -429,4 +507,4 @@ def test_the_hang_report_names_a_truncated_record_and_reports_the_rest(
     for size in ("0", "-2"):
         assert cli_main(["hang-report", str(tmp_path), "--world-size", size]) == 2
         error = capsys.readouterr().err
-        assert f"--world-size {size}: pass the number of ranks of the job (1 or more)" in error
+        assert f"--world-size {size}: pass the number of ranks of the job (1 or more," in error

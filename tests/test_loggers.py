@@ -242,12 +242,18 @@ def test_an_unreachable_mlflow_server_costs_seconds_and_one_warning(full: Run) -
 
 
 @pytest.mark.slow
-def test_a_second_run_in_a_held_save_path_fails_on_every_rank(full: Run) -> None:
+def test_a_second_run_in_a_held_save_path_or_checkpoint_dir_fails_on_every_rank(full: Run) -> None:
     errors = [(full.save.parent / f"locked-{rank}.txt").read_text() for rank in (0, 1)]
     assert errors[0] == errors[1], errors
     locked = str(full.save.parent / "locked")
-    assert f"save_path={locked!r} is in use by another run (pid {os.getpid()}" in errors[0]
-    assert errors[0].startswith("OSError") and "pass another save_path" in errors[0]
+    in_save_path, in_checkpoint_dir = errors[0].splitlines()
+    assert f"save_path={locked!r} is in use by another run (pid {os.getpid()}" in in_save_path
+    assert in_save_path.startswith("OSError") and "pass another save_path" in in_save_path
+    # a checkpoint_dir shared by two runs (each its own save_path) is refused alike
+    holder = f"(pid {os.getpid()} on host test)"
+    expected = f"checkpoint_dir={locked!r} is in use by another run {holder}"
+    assert expected in in_checkpoint_dir and "pass another checkpoint_dir" in in_checkpoint_dir
+    assert not (full.save.parent / "own" / "log.jsonl").exists()  # refused before training
 
 
 @pytest.mark.slow

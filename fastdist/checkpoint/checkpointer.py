@@ -41,7 +41,7 @@ from fastdist.checkpoint.format1 import upgrade
 from fastdist.checkpoint.loadable import unloadable
 from fastdist.checkpoint.resume import choose
 from fastdist.checkpoint.sharded import discard, load_shards, publish, write_shards
-from fastdist.checkpoint.temps import remove_stale
+from fastdist.checkpoint.temps import readable, remove_stale
 from fastdist.distributed import agree, broadcast_object, gather_object, get_rank, get_world_size
 from fastdist.logging import logger
 
@@ -315,14 +315,22 @@ class Checkpointer:
         writes one: remove the temps of killed writes (a crash loop would fill the disk)."""
         if self.dir is None or self.rank != 0:
             return
-        removed, freed = remove_stale(self.dir.directory)
+        removed, freed, kept = remove_stale(self.dir.directory)
         if removed:
             logger.info(
-                "removed %d temp(s) of checkpoint writes that were killed (%.2f MiB) from %s: %s",
+                "removed %d temp(s) of checkpoint writes that were killed (%s) from %s: %s",
                 len(removed),
-                freed / 2**20,
+                readable(freed),
                 self.dir.directory,
                 ", ".join(removed),
+            )
+        if kept:
+            logger.warning(
+                "could not remove %d temp(s) of checkpoint writes that were killed from %s: %s; "
+                "remove them yourself (they take disk space)",
+                len(kept),
+                self.dir.directory,
+                ", ".join(kept),
             )
 
     def _live_state(self) -> dict[str, Any]:

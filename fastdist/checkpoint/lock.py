@@ -1,11 +1,12 @@
-"""One run at a time in a ``save_path``: rank 0 holds an exclusive lock on it while it trains.
+"""One run at a time in a ``save_path`` and in a ``checkpoint_dir``: rank 0 holds an exclusive
+lock on each while it trains.
 
-The lock is ``fcntl.flock`` on ``<save_path>/.fastdist.lock``, which holds the pid and host of
+The lock is ``fcntl.flock`` on ``<directory>/.fastdist.lock``, which holds the pid and host of
 the holder. The operating system releases it when the holding process ends, however it ends,
 so a crashed or killed run leaves no stale lock and its restart is never blocked. A second run
 that finds it held fails at its start, on every rank alike (agreed as checkpoint writes are),
-naming the ``save_path`` and the holder. ``flock`` is advisory and may not lock across the nodes
-of some network file systems (NFS before Linux 2.6.12 locks locally only).
+naming the argument, its directory and the holder. ``flock`` is advisory and may not lock
+across the nodes of some network file systems (NFS before Linux 2.6.12 locks locally only).
 """
 
 from __future__ import annotations
@@ -35,23 +36,39 @@ os.register_at_fork(after_in_child=_drop_in_child)
 
 
 @contextmanager
-def hold_save_path(save_path: str | None, group: Any) -> Iterator[None]:
-    """Hold ``save_path``'s lock (rank 0) for the ``with`` block; a collective of every rank,
-    which raise the same ``OSError`` if another process holds it."""
-    held = agreed(lambda: _lock(save_path) if save_path and get_rank() == 0 else None, group)
+def hold_dirs(dirs: dict[str, str | None], group: Any) -> Iterator[None]:
+    """Hold the lock of each directory of ``dirs`` (argument name: path; ``None`` skipped) on
+    rank 0 for the ``with`` block; a collective of every rank, which raise the same ``OSError``
+    if another process holds one."""
+    paths = {os.path.realpath(path): name for name, path in dirs.items() if path}
+    held = agreed(lambda: _lock_all(paths) if get_rank() == 0 else [], group)
     try:
         yield
     finally:
-        if held is not None:
-            _held.remove(held)
-            held.close()  # releases the lock
+        for file in held:
+            _held.remove(file)
+            file.close()  # releases the lock
 
 
-def _lock(save_path: str) -> IO[str]:
-    """The open lock file of ``save_path``, locked; raise ``BlockingIOError`` naming its
-    holder if another process holds it."""
-    os.makedirs(save_path, exist_ok=True)
-    file = open(os.path.join(save_path, LOCK_FILE), "a+", encoding="utf-8")  # noqa: SIM115
+def _lock_all(paths: dict[str, str]) -> list[IO[str]]:
+    """The lock files of ``paths`` (real path: argument name), all locked, or none."""
+    files: list[IO[str]] = []
+    try:
+        for path, name in paths.items():
+            files.append(_lock(path, name))
+    except OSError:
+        for file in files:
+            _held.remove(file)
+            file.close()
+        raise
+    return files
+
+
+def _lock(path: str, name: str) -> IO[str]:
+    """The open lock file of directory ``path`` (the argument ``name``), locked; raise
+    ``BlockingIOError`` naming its holder if another process holds it."""
+    os.makedirs(path, exist_ok=True)
+    file = open(os.path.join(path, LOCK_FILE), "a+", encoding="utf-8")  # noqa: SIM115
     try:
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as exc:
@@ -59,9 +76,9 @@ def _lock(save_path: str) -> IO[str]:
         holder = file.read().strip() or "unknown"
         file.close()
         raise BlockingIOError(
-            f"save_path={save_path!r} is in use by another run ({holder}): two runs in one "
-            "save_path would interleave its log and overwrite each other's checkpoints; wait "
-            "for that run to end, or pass another save_path",
+            f"{name}={path!r} is in use by another run ({holder}): two runs in one {name} "
+            "would overwrite each other's checkpoints (and a resume would continue the other "
+            f"run's model); wait for that run to end, or pass another {name}",
         ) from exc
     except OSError:
         file.close()

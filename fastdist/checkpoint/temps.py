@@ -14,6 +14,7 @@ import fcntl
 import os
 import re
 import shutil
+import stat
 
 #: The temps' names: ``.tmp-<hex>-step-00000120.pt`` and ``.tmp-<hex>-manifest.json`` (of
 #: ``atomic_file``; ``-step-00000240``: a checkpoint imported from a mirror) and
@@ -29,33 +30,63 @@ def lock_temp(path: str) -> int:
     return fd
 
 
-def remove_stale(directory: str) -> tuple[list[str], int]:
-    """Remove the temps in ``directory`` (named as :data:`TEMP_NAME`) that no live writer holds
-    locked: return their names and the bytes freed. Nothing else is touched."""
-    removed, freed = [], 0
+def remove_stale(directory: str) -> tuple[list[str], int, list[str]]:
+    """Remove the temps in ``directory`` (named as :data:`TEMP_NAME`, and of the kind the name
+    says: a sharded write's folder, else a regular file) that no live writer holds locked:
+    return their names, the bytes freed, and those it could not remove (with why). Nothing
+    else is touched."""
+    removed, freed, kept = [], 0, []
     with contextlib.suppress(FileNotFoundError):
         for name in sorted(os.listdir(directory)):
-            if not TEMP_NAME.match(name):
-                continue
             path = os.path.join(directory, name)
+            if not TEMP_NAME.match(name) or not _of_its_kind(path, name):
+                continue
             try:
                 fd = os.open(path, os.O_RDONLY)
-            except OSError:  # gone meanwhile
+            except FileNotFoundError:  # gone meanwhile
+                continue
+            except OSError as exc:
+                kept.append(f"{name} ({exc.strerror or exc})")
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises where a writer lives
+            except OSError as exc:
+                os.close(fd)
+                if not isinstance(exc, BlockingIOError):  # else a live writer's
+                    kept.append(f"{name} ({exc.strerror or exc})")
+                continue
+            try:
                 size = _size(path)
                 if os.path.isdir(path):
                     shutil.rmtree(path)
                 else:
                     os.remove(path)
-            except OSError:  # a live writer's, or not ours to remove (permissions)
+            except OSError as exc:  # not ours to remove (permissions, immutable)
+                kept.append(f"{name} ({exc.strerror or exc})")
                 continue
             finally:
                 os.close(fd)
             removed.append(name)
             freed += size
-    return removed, freed
+    return removed, freed, kept
+
+
+def readable(size: int) -> str:
+    """``size`` bytes in KiB, MiB or GiB (bytes below 1 KiB), three significant digits."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size} B"
+
+
+def _of_its_kind(path: str, name: str) -> bool:
+    """Whether ``path`` is what its name says: a folder (``.tmp-step-N``), else a regular
+    file; a link is neither."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:  # gone meanwhile
+        return False
+    return stat.S_ISDIR(mode) if name.startswith(".tmp-step-") else stat.S_ISREG(mode)
 
 
 def _size(path: str) -> int:

@@ -13,8 +13,9 @@ with fastdist's ``FASTDIST_CHECK_RESUME`` variable set (:mod:`fastdist.trainer.c
 The models of the checkpoints at update U of runs 1 and 3 must be equal, bit for bit. The exit
 status is 0 when they are, 1 when they differ (each differing parameter is named with its
 largest absolute difference), 2 when a run failed or trained fewer than U updates. The save
-directories are under ``--dir`` (default: a new temporary directory), removed when the check
-passes; the script's own ``save_path`` and ``checkpoint_dir`` are not used.
+directories are under ``--dir`` (default: a new temporary directory); when the check passes,
+they and their logs are removed (a temporary directory too, a ``--dir`` stays); the script's
+own ``save_path`` and ``checkpoint_dir`` are not used.
 
 Example:
     python -m fastdist check-resume examples/train_digits.py --updates 8 -- --epochs 1
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 from fastdist.checkpoint.export import checkpoint_weights
+from fastdist.checkpoint.lock import LOCK_FILE
 from fastdist.trainer.check_resume import VAR
 
 
@@ -89,7 +91,14 @@ def run(args: argparse.Namespace) -> int:
         f"check-resume passed: killed at update {args.updates // 2} and resumed, the model at "
         f"update {args.updates} equals an uninterrupted run's, bit for bit"
     )
-    shutil.rmtree(work, ignore_errors=True)
+    if args.dir:  # the user's directory stays: only what the check made in it goes
+        for name in _MADE:
+            if (work / name).is_dir():
+                shutil.rmtree(work / name, ignore_errors=True)
+            else:
+                (work / name).unlink(missing_ok=True)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
@@ -98,11 +107,17 @@ def _bad_arguments(args: argparse.Namespace) -> str | None:
         return f"SCRIPT {args.script!r} is not a file: pass the training script's path"
     if args.updates < 2 or args.updates % 2:
         return f"--updates {args.updates}: pass an even number >= 2 (the kill is at half of it)"
+    if not args.timeout > 0:
+        return f"--timeout {args.timeout:g}: pass the seconds each run may take, above 0"
     if args.nproc_per_node < 1:
         return f"--nproc-per-node {args.nproc_per_node}: pass 1 or more processes"
     if args.dir and os.path.exists(args.dir) and os.listdir(args.dir):
         return f"--dir {args.dir} is not empty: pass a new or empty directory"
     return None
+
+
+#: What the check makes in its directory: the runs' save directories and logs.
+_MADE = ("through", "resumed", "through.log", "killed.log", "resumed.log")
 
 
 def _check(args: argparse.Namespace, work: Path) -> dict[str, float]:
@@ -141,6 +156,11 @@ def _run(args: argparse.Namespace, log: Path, save: Path, stop_at: int, kill: bo
 
 def _final(save: Path, step: int) -> dict[str, torch.Tensor]:
     """The model of the newest checkpoint under ``save``, which must be at update ``step``."""
+    if not (save / LOCK_FILE).exists():  # train() locks its save_path first
+        raise CheckError(
+            f"the script exited without calling DistTrainer.train() (nothing in {save}): "
+            "check-resume runs a script that builds a DistTrainer and trains it"
+        )
     try:
         weights, source = checkpoint_weights(str(save / "checkpoints"))
     except (OSError, ValueError) as exc:

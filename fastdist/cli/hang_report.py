@@ -5,7 +5,9 @@ or ``$FASTDIST_HANG_DIR``): every rank wrote its record there. The report says, 
 collective it waits in or never entered (the missing ranks) and its Python line, as the failing
 rank logged it; each rank's whole stack is in ``rank<r>.stack.txt`` beside it, and its flight
 recorder buffer in ``rank<r>.fr.json``. A record file that does not read (truncated, corrupt)
-is named in the report, with what is wrong, and the others are reported.
+is named in the report, with what is wrong, and the others are reported. Only the newest job's
+records are reported (each record names its job): the files an earlier job left in DIR are
+listed as an earlier job's, with their time, and kept.
 
 Example:
     python -m fastdist hang-report save/hang
@@ -18,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from fastdist.distributed.hang_report import describe, read_records
+from fastdist.distributed.hang_report import MAX_WORLD_SIZE, describe, read_records
 
 
 def add_parser(commands: Any) -> None:
@@ -37,15 +39,16 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the report; return 0, 1 when DIR holds no dumps or one that does not read (named
-    in the report), 2 for a bad ``--world-size``."""
-    if args.world_size is not None and args.world_size < 1:
+    in the report), 2 for a bad ``--world-size`` (below 1 or above :data:`MAX_WORLD_SIZE`)."""
+    if args.world_size is not None and not 1 <= args.world_size <= MAX_WORLD_SIZE:
         print(
             f"fastdist hang-report: --world-size {args.world_size}: pass the number of ranks "
-            "of the job (1 or more), or leave it out (the dumps' world size)",
+            f"of the job (1 or more, at most {MAX_WORLD_SIZE}), or leave it out (the dumps' "
+            "world size)",
             file=sys.stderr,
         )
         return 2
-    records, unreadable = read_records(args.dir)
+    records, unreadable, stale = read_records(args.dir)
     if not records and not unreadable:
         print(
             f"fastdist hang-report: no rank<r>.json in {args.dir}: pass the dump directory of a "
@@ -56,5 +59,5 @@ def run(args: argparse.Namespace) -> int:
     newest = max((record["time"] for record in records.values()), default=None)
     when = "?" if newest is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(newest))
     print(f"hang report of {args.dir} (dumped at {when}):")
-    print(describe(records, args.world_size, unreadable))
+    print(describe(records, args.world_size, unreadable, stale))
     return 1 if unreadable else 0

@@ -13,6 +13,10 @@ directory, for ``python -m fastdist hang-report DIR``:
 - ``rank<r>.stack.txt``: the stack of the record and faulthandler's dump of every thread;
 - ``rank<r>.fr.json``: the flight recorder's buffer (its last ``TORCH_FR_BUFFER_SIZE`` entries).
 
+Each record names its job (``job``: an id rank 0 draws at the start of an attempt and every rank
+of it reads from the store), so that the report tells this job's records from those an earlier
+job left in the same directory.
+
 A process writes its files once, at its first record (the one that shows the hang), with the
 record's own flight-recorder dump; its record says why they could not be written
 (``dump_error``), so that the report does not name files that are not there.
@@ -32,6 +36,8 @@ import threading
 import time
 import traceback
 import types
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +51,13 @@ FR_ENTRIES = 200
 ANSWER_WAIT_S = 5.0
 #: How long it waits for a rank that answered an earlier request (its earlier record stands in).
 KNOWN_WAIT_S = 0.5
+#: How long it waits once a SIGTERM came (torchrun's: a rank is gone; the live ones answer at
+#: once, from their watcher's thread).
+STOPPING_WAIT_S = 1.5
 #: The directory for the dumps when ``save_path`` does not give one (the tool's variable).
 DIR_VAR = "FASTDIST_HANG_DIR"
 
-_COUNT, _ANSWER = "fastdist/hang/count", "fastdist/hang/{}/{}"
+_COUNT, _ANSWER, _JOB = "fastdist/hang/count", "fastdist/hang/{}/{}", "fastdist/hang/job"
 _REQUEST = "fastdist/hang/request/{}/{}"  # a request's number and the rank asked: "" or "stop"
 #: How long the exit waits for the watcher to stop.
 STOP_WAIT_S = 2.0
@@ -67,6 +76,9 @@ class _Watch:
     def __init__(self, store: Any, rank: int, directory: str | None, position: Any) -> None:
         self.store, self.rank, self.directory, self.position = store, rank, directory, position
         self.world_size = dist.get_world_size()
+        self.job: str | None = None  # read by the watcher's thread: no wait for rank 0 here
+        if rank == 0:
+            store.set(_JOB, f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
         self.failure: dict[str, Any] | None = None  # this rank's record of its own failure
         self.written = False  # the first dump of this process stays: it shows the hang
         self.dump_error: str | None = None  # why that dump could not be written
@@ -75,6 +87,8 @@ class _Watch:
 
     def run(self) -> None:
         client = self.store.clone()
+        with contextlib.suppress(Exception):  # the store gone: the job is over
+            self.read_job(client)
         while True:
             key = _REQUEST.format(self.number, self.rank)
             try:  # a day's wait: each timeout prints torch's socket warnings
@@ -90,6 +104,16 @@ class _Watch:
                 return
             self.number += 1
 
+    def read_job(self, client: Any) -> None:
+        """The job's id, once rank 0 has set it; without waiting in the store's C++ code (an
+        exit could not stop that), and no longer once a request or the stop came."""
+        asked = _REQUEST.format(self.number, self.rank)
+        while not client.check([_JOB]):
+            if client.check([asked]):
+                return
+            time.sleep(0.05)
+        self.job = client.get(_JOB).decode()
+
     def record(
         self, stack: traceback.StackSummary, recorded: dict[str, Any], error: str | None = None
     ) -> dict[str, Any]:
@@ -97,11 +121,13 @@ class _Watch:
         recorder's dump ``recorded``), position."""
         return {
             "rank": self.rank,
+            "job": self.job,
             "world_size": self.world_size,
             "time": time.time(),
             "error": error,
             "position": self.position(),
             "stack": [[f.filename, f.lineno, f.name] for f in stack],
+            "yours": [not is_library(f.filename) for f in stack],  # by this rank's paths
             "collectives": last_collectives(recorded),
         }
 
@@ -189,10 +215,13 @@ def note_failure(exc: BaseException) -> None:
     _watch.write(_watch.failure, recorded)
 
 
-def collect(world_size: int) -> dict[int, dict[str, Any]]:
+def collect(
+    world_size: int, stopping: Callable[[], bool] = lambda: False
+) -> dict[int, dict[str, Any]]:
     """Ask every rank for its record; return those that came (by rank). A rank that answered
     an earlier request (its own failure, say) is given :data:`KNOWN_WAIT_S` before its
-    earlier record stands in; the others :data:`ANSWER_WAIT_S`. Empty without a watcher."""
+    earlier record stands in; the others :data:`ANSWER_WAIT_S`, or :data:`STOPPING_WAIT_S`
+    once ``stopping()`` is true (a SIGTERM came). Empty without a watcher."""
     if _watch is None:
         return {}
     store = _watch.store
@@ -210,7 +239,7 @@ def collect(world_size: int) -> dict[int, dict[str, Any]]:
                 records[rank] = json.loads(store.get(key))
             elif earlier[rank] is not None and waited > KNOWN_WAIT_S:
                 records[rank] = json.loads(store.get(earlier[rank]))
-        if waited > ANSWER_WAIT_S:
+        if waited > ANSWER_WAIT_S or (waited > STOPPING_WAIT_S and stopping()):
             break
         time.sleep(0.05)
     return records

@@ -9,6 +9,7 @@ waits in; the ranks whose last collective there is older never entered it: the m
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +17,26 @@ from fastdist.distributed.hang import is_library
 from fastdist.distributed.position import clock
 
 Record = dict[str, Any]
+#: The most ranks a report covers (a record's ``world_size``, a file's rank, ``--world-size``).
+MAX_WORLD_SIZE = 100_000
+#: Record times later than this (the year 5138) are corrupt.
+_MAX_TIME = 1e11
 
 
-def read_records(directory: str | Path) -> tuple[dict[int, Record], dict[int, str]]:
-    """The ``rank<r>.json`` records of a dump directory, by rank; and, by rank, what is wrong
-    with each file that holds no record (its path and why: truncated, corrupt...)."""
+def read_records(
+    directory: str | Path,
+) -> tuple[dict[int, Record], dict[int, str], dict[int, str]]:
+    """The ``rank<r>.json`` records of a dump directory's newest job (that of the newest
+    record), by rank; by rank, what is wrong with each file that holds no record (its path and
+    why: truncated, corrupt...); and, by rank, the files an earlier job left (path and time)."""
     records, unreadable = {}, {}
     for path in sorted(Path(directory).glob("rank*.json")):
         if not path.stem[4:].isdigit():
             continue
         rank = int(path.stem[4:])
+        if rank >= MAX_WORLD_SIZE:
+            unreadable[rank] = f"{path}: a rank beyond the most a report covers ({MAX_WORLD_SIZE})"
+            continue
         try:
             record = json.loads(path.read_text())
             problem = _problem(record, rank)
@@ -35,7 +46,14 @@ def read_records(directory: str | Path) -> tuple[dict[int, Record], dict[int, st
             records[rank] = record
         else:
             unreadable[rank] = f"{path}: {problem}"
-    return records, unreadable
+    newest = max(records.values(), key=lambda r: r["time"]).get("job") if records else None
+    stale = {
+        rank: f"{directory}/rank{rank}.json is an earlier job's ({record.get('job') or 'no id'}, "
+        f"at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(record['time']))})"
+        for rank, record in records.items()
+        if record.get("job") != newest
+    }
+    return {r: v for r, v in records.items() if r not in stale}, unreadable, stale
 
 
 def _problem(record: Any, rank: int) -> str | None:
@@ -52,14 +70,21 @@ def _problem(record: Any, rank: int) -> str | None:
         isinstance(f, list) and len(f) == 3 and isinstance(f[1], int) for f in frames
     ):
         return "its stack is not a list of [file, line, function]"
+    yours = record.get("yours", [])
+    if not isinstance(yours, list) or not all(isinstance(y, bool) for y in yours):
+        return "its yours is not a list of true/false (one per frame)"
     collectives = record.get("collectives", {})
     if not isinstance(collectives, dict) or not all(
         isinstance(c, dict) and isinstance(c.get("seq"), int) and "name" in c
         for c in collectives.values()
     ):
         return 'its collectives are not {group: {"seq": n, "name": ...}}'
-    if not isinstance(record["time"], (int, float)):
-        return "its time is not a number"
+    when = record["time"]
+    if not isinstance(when, (int, float)) or not 0 <= when <= _MAX_TIME:  # NaN fails too
+        return f"its time is not a time (seconds since 1970): {when!r}"
+    size = record.get("world_size", 1)
+    if not isinstance(size, int) or not 1 <= size <= MAX_WORLD_SIZE:
+        return f"its world_size is not a number of ranks (1 to {MAX_WORLD_SIZE}): {size!r}"
     return None
 
 
@@ -67,13 +92,18 @@ def describe(
     records: dict[int, Record],
     world_size: int | None = None,
     unreadable: dict[int, str] | None = None,
+    stale: dict[int, str] | None = None,
 ) -> str:
     """The report of ``records`` (by rank) of a job of ``world_size`` ranks (default: the
     world size the records name, so that a dead rank that wrote none is named too); the ranks
-    of ``unreadable`` (what is wrong with their files) are named with it."""
-    unreadable = unreadable or {}
+    of ``unreadable`` (what is wrong with their files) are named with it, and the files of
+    ``stale`` (an earlier job's, by rank) are listed as such, never as this job's state."""
+    unreadable, stale = unreadable or {}, stale or {}
     known = [r.get("world_size", 0) for r in records.values()]
-    world_size = world_size or max([*known, max([*records, *unreadable], default=-1) + 1])
+    # the ranks the files name: no line per absent rank beyond them, nor beyond the maximum
+    world_size = min(
+        world_size or max(known, default=0) or max(records, default=-1) + 1, MAX_WORLD_SIZE
+    )
     waited = _waited(records)
     missing = {
         group: [r for r, record in records.items() if _seq(record, group) < seq]
@@ -88,12 +118,13 @@ def describe(
             lines.append(f"  rank {rank}: no record: {unreadable[rank]}")
             continue
         if record is None:
-            lines.append(f"  rank {rank}: no record (dead, or not answering)")
+            earlier = f"; {stale[rank]}" if rank in stale else ""
+            lines.append(f"  rank {rank}: no record (dead, or not answering){earlier}")
             continue
         state = f"FAILED with {record['error']}" if record.get("error") else record["position"]
         lines.append(f"  rank {rank} (at {clock(record['time'])}): {state}")
         lines.extend(f"    {line}" for line in _collectives(record, waited))
-        lines.append(f"    at {_line(record['stack'])}")
+        lines.append(f"    at {_line(record['stack'], record.get('yours'))}")
     for group, (seq, name) in waited.items():
         if missing[group]:
             inside = [r for r in records if r not in missing[group]]
@@ -101,6 +132,9 @@ def describe(
                 f"  missing ranks: {missing[group]} never entered {name} #{seq} of group "
                 f"{group} (ranks {inside} entered it)"
             )
+    beyond = sorted(rank for rank in unreadable if rank >= world_size)
+    lines.extend(f"  rank {rank}: no record: {unreadable[rank]}" for rank in beyond)
+    lines.extend(f"  stale: {stale[rank]}" for rank in sorted(stale) if rank >= world_size)
     if not any(r.get("collectives") for r in records.values()):
         lines.append("  no collectives recorded (the flight recorder is off: TORCH_FR_BUFFER_SIZE)")
     return "\n".join(lines)
@@ -136,13 +170,16 @@ def _collectives(record: Record, waited: dict[str, tuple[int, str]]) -> list[str
     return lines
 
 
-def _line(stack: list[list[Any]]) -> str:
+def _line(stack: list[list[Any]], yours: list[bool] | None = None) -> str:
     """``file:line in function`` of the innermost frame of the user's code, and of the
-    innermost frame if that is elsewhere (stack outermost first)."""
+    innermost frame if that is elsewhere (stack outermost first). Which frames are the user's:
+    ``yours``, as the rank that wrote the record saw it (its paths), else by this process's."""
     if not stack:
         return "no Python stack"
     where = [f"{file}:{line} in {name}" for file, line, name in stack]
-    user = [w for w, (file, _, _) in zip(where, stack, strict=True) if not is_library(file)]
+    if yours is None or len(yours) != len(stack):  # a record of an older fastdist
+        yours = [not is_library(file) for file, _, _ in stack]
+    user = [w for w, mine in zip(where, yours, strict=True) if mine]
     if not user:
         return where[-1]
     if user[-1] == where[-1]:

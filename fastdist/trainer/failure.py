@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from fastdist.distributed.env import note_failure
 from fastdist.distributed.hang_report import describe
 from fastdist.distributed.position import PositionBoard
 from fastdist.logging import logger
+from fastdist.trainer.preemption import sigterm_deferred
 
 # What gloo and nccl put in the message of a collective that timed out or lost a peer.
 _COLLECTIVE_MARKERS = ("Timed out", "timed out", "Connection closed by peer", "Connection reset")
@@ -35,8 +37,17 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
     :data:`~fastdist.distributed.bounded.STORE_WAIT_S` that they failed too (dead, stuck or cut
     off: where all were in the same collective, only this names them); then the hang report:
     each rank's collective and Python line (:mod:`fastdist.distributed.hang`). Every wait on
-    the store is bounded: its host may be cut off from this rank.
+    the store is bounded: its host may be cut off from this rank. A SIGTERM (torchrun's, once
+    a rank died) waits until the report is logged (:func:`sigterm_deferred`, a few seconds).
     """
+    with sigterm_deferred() as stopping:
+        _report(exc, board, timeout, stopping)
+        exc.fastdist_reported = True  # type: ignore[attr-defined]
+
+
+def _report(
+    exc: BaseException, board: PositionBoard, timeout: float | None, stopping: Callable[[], bool]
+) -> None:
     note_failure(exc)
     hang.note_failure(exc)
     summary = f"{type(exc).__name__}: {exc}".strip()
@@ -46,7 +57,8 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
         headline = f"a collective failed on rank {board.rank} (waits are bounded by {limit})"
         logger.error("%s: %s\n%s", headline, summary, board.report())  # before torchrun's SIGTERM
         try:  # up to ANSWER_WAIT_S; none in a one-process world
-            records = within(hang.ANSWER_WAIT_S + 1, lambda: hang.collect(board.world_size))
+            ask = lambda: hang.collect(board.world_size, stopping)  # noqa: E731
+            records = within(hang.ANSWER_WAIT_S + 1, ask)
         except Exception:  # the store's host is out of reach: the report above stands
             records = {}
         silent = _silent(records, board)
@@ -60,7 +72,6 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
             logger.error("%s:\n%s", _dumps(records), describe(records, board.world_size))
     else:
         logger.error("rank %d raised %s\n%s", board.rank, summary, board.report(), exc_info=exc)
-    exc.fastdist_reported = True  # type: ignore[attr-defined]
 
 
 def _silent(records: dict[int, dict[str, Any]], board: PositionBoard) -> list[int]:

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 
 from fastdist.callbacks.callback import TrainerView
 from fastdist.checkpoint import Resumed
-from fastdist.checkpoint.lock import hold_save_path
+from fastdist.checkpoint.lock import hold_dirs
 from fastdist.distributed import broadcast_object
 from fastdist.logging import logger
 from fastdist.trainer.build import Run
@@ -237,8 +237,10 @@ class Loop:
 
     def fit(self, resume: bool | str | os.PathLike) -> dict[str, Any]:
         """What ``DistTrainer.train`` does: resume, train, end; the result on every rank. Rank 0
-        holds ``save_path``'s lock meanwhile (:mod:`fastdist.checkpoint.lock`)."""
-        with hold_save_path(self.options.save_path, self.world.group):
+        holds the locks of ``save_path`` and ``checkpoint_dir`` meanwhile
+        (:mod:`fastdist.checkpoint.lock`)."""
+        dirs = {"save_path": self.options.save_path, "checkpoint_dir": self.options.checkpoint_dir}
+        with hold_dirs(dirs, self.world.group):
             return self._fit(resume)
 
     def _fit(self, resume: bool | str | os.PathLike) -> dict[str, Any]:

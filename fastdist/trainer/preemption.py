@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from fastdist.distributed.slurm import requeue_job, requeue_signal
@@ -95,6 +95,28 @@ class SigtermFlag:
         if self.requeue_signal:
             signal.signal(self.requeue_signal, signal.SIG_IGN)
         raise SystemExit(SIGTERM_EXIT_CODE)
+
+
+@contextlib.contextmanager
+def sigterm_deferred() -> Iterator[Callable[[], bool]]:
+    """Hold a SIGTERM back while the block runs (the failure report: torchrun sends one to the
+    other ranks as soon as one died), then end the process with :data:`SIGTERM_EXIT_CODE`, or
+    hand the signal to the handler that was in place if it is not the default. It gives the
+    block whether a SIGTERM came. Outside the main thread it holds nothing back."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        yield lambda: bool(received)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        if received and previous in (signal.SIG_DFL, None):
+            sys.stderr.flush()
+            raise SystemExit(SIGTERM_EXIT_CODE)
+        if received:
+            signal.raise_signal(signal.SIGTERM)
 
 
 class SignalChecks:

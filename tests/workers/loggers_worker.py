@@ -15,7 +15,8 @@ or ``load_state_dict`` (``BadLoad``) raise; ``--kill-at STEP`` makes every rank 
 after update STEP. Rank 0 writes the trainer's result to ``OUT_DIR/result.json``.
 
 Then, in the same processes: ``--locked DIR`` trains into the save_path DIR (which the test
-holds locked) and writes every rank's error to ``OUT_DIR/locked-<rank>.txt``; ``--rollback``
+holds locked), then with DIR as checkpoint_dir, and writes every rank's errors to
+``OUT_DIR/locked-<rank>.txt``; ``--rollback``
 trains a fresh run into ``OUT_DIR/rollback`` (MLflow in the save_path's store, W&B offline,
 JSON; checkpoints at steps 10 and 15 kept), then rolls back to its step 10 on other data
 (so the steps after 10 differ).
@@ -75,7 +76,13 @@ class KillAt(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def trainer(save: Path, loggers: list[Logger], data_seed: int = 0, kill_at: int = 0) -> DistTrainer:
+def trainer(
+    save: Path,
+    loggers: list[Logger],
+    data_seed: int = 0,
+    kill_at: int = 0,
+    checkpoint_dir: str = "",
+) -> DistTrainer:
     fastdist.set_seed(0)
     model = Linear()
     return DistTrainer(
@@ -92,6 +99,7 @@ def trainer(save: Path, loggers: list[Logger], data_seed: int = 0, kill_at: int 
         print_every=2,
         checkpoint_every=5,
         save_path=str(save),
+        checkpoint_dir=checkpoint_dir or None,
         use_tqdm=False,
     )
 
@@ -107,14 +115,17 @@ def rollback(out: Path, store: Path) -> None:
         trainer(out, loggers, data_seed=seed).train(resume=resume)
 
 
-def locked(out: Path, save: str) -> None:
-    """Train into ``save`` (held by the test): every rank writes the error it raised."""
-    try:
-        trainer(Path(save), []).train()
-        error = "no error"
-    except OSError as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    (out / f"locked-{fastdist.get_rank()}.txt").write_text(error)
+def locked(out: Path, held: str) -> None:
+    """Train into the save_path ``held`` (held by the test), then with another save_path and
+    ``held`` as checkpoint_dir: every rank writes the errors it raised."""
+    errors = []
+    for save, checkpoint_dir in ((Path(held), ""), (out / "own", held)):
+        try:
+            trainer(save, [], checkpoint_dir=checkpoint_dir).train()
+            errors.append("no error")
+        except OSError as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    (out / f"locked-{fastdist.get_rank()}.txt").write_text("\n".join(errors))
 
 
 def main() -> None:
