@@ -62,7 +62,8 @@ def test_a_full_disk_fails_every_rank_alike_and_the_resume_continues(
     assert " MiB of tensors): no space left on its filesystem (" in error
     assert "then train(resume='auto') continues from the newest intact checkpoint" in error
     assert "\n" not in error
-    assert sorted(os.listdir(checkpoints)) == ["manifest.json", "step-00000001.pt"]
+    kept = [".fastdist.lock", "manifest.json", "step-00000001.pt"]  # the lock: this run's
+    assert sorted(os.listdir(checkpoints)) == kept
     manifest = json.loads((checkpoints / "manifest.json").read_text())
     assert [entry["step"] for entry in manifest] == [1]
 
@@ -113,4 +114,4 @@ def test_a_full_disk_at_a_sharded_checkpoint_fails_every_rank_alike_leaving_no_t
     assert " MiB of tensors): no space left on its filesystem (" in error
     assert "then train(resume='auto') continues from the newest intact checkpoint" in error
     assert "\n" not in error
-    assert sorted(os.listdir(checkpoints)) == ["manifest.json", "step-00000001"]
+    assert sorted(os.listdir(checkpoints)) == [".fastdist.lock", "manifest.json", "step-00000001"]
