@@ -227,5 +227,6 @@ def test_a_kill_or_sigterm_during_an_async_write(runs: Path, tmp_path: Path) -> 
     ):
         checkpoints = tmp_path / f"{config}-kill" / "checkpoints"
         assert not list(checkpoints.glob(".tmp-*")), sorted(os.listdir(checkpoints))
-        line = rf"{re.escape(removed)} \([0-9.]+ MiB\) from {re.escape(str(checkpoints))}: {temp}\n"
+        where = re.escape(str(checkpoints))
+        line = rf"{re.escape(removed)} \([0-9.]+ [KMG]iB\) from {where}: {temp}\n"
         assert len(re.findall(line, result.output)) == 1, result.describe()

@@ -34,6 +34,7 @@ from launch import (
 from workers.resume_worker import N_SAMPLES, build_trainer
 
 from fastdist import Callback
+from fastdist.checkpoint.lock import LOCK_FILE
 
 WORKER = Path(__file__).resolve().parent / "workers" / "resume_worker.py"
 CHECKPOINT_WORKER = WORKER.with_name("checkpoint_worker.py")
@@ -304,8 +305,8 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
-    """Every file under ``directory`` by relative path, with its bytes."""
-    files = (path for path in directory.rglob("*") if path.is_file())
+    """Every file under ``directory`` by relative path, with its bytes (not a run's lock)."""
+    files = (path for path in directory.rglob("*") if path.is_file() and path.name != LOCK_FILE)
     return {str(path.relative_to(directory)): path.read_bytes() for path in files}
 
 

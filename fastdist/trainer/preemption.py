@@ -100,9 +100,10 @@ class SigtermFlag:
 @contextlib.contextmanager
 def sigterm_deferred() -> Iterator[Callable[[], bool]]:
     """Hold a SIGTERM back while the block runs (the failure report: torchrun sends one to the
-    other ranks as soon as one died), then end the process with :data:`SIGTERM_EXIT_CODE`, or
-    hand the signal to the handler that was in place if it is not the default. It gives the
-    block whether a SIGTERM came. Outside the main thread it holds nothing back."""
+    other ranks as soon as one died), then deliver it to the handler that was in place: by
+    default it ends the process, as it would have. Not a ``SystemExit``, which a script may
+    take for a pre-emption. It gives the block whether a SIGTERM came. Outside the main thread
+    it holds nothing back."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield lambda: False
@@ -112,10 +113,9 @@ def sigterm_deferred() -> Iterator[Callable[[], bool]]:
         yield lambda: bool(received)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-        if received and previous in (signal.SIG_DFL, None):
-            sys.stderr.flush()
-            raise SystemExit(SIGTERM_EXIT_CODE)
         if received:
+            sys.stdout.flush()
+            sys.stderr.flush()
             signal.raise_signal(signal.SIGTERM)
 
 
