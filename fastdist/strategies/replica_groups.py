@@ -304,15 +304,19 @@ class Gated(torch.optim.Optimizer):
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``."""
         self.optim.zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state."""
         return self.optim.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the wrapped optimizer's state."""
         self.optim.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer."""
         self.optim.add_param_group(param_group)
 
     def __repr__(self) -> str:
