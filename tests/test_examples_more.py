@@ -51,7 +51,7 @@ def test_language_model_decodes_in_prompt_order(tmp_path: Path) -> None:
     assert "ppl" in evals[0]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # three launches of the example; CI time
 def test_compare_world_sizes_plots_and_tabulates(tmp_path: Path) -> None:
     args = ["--quick", "--out-dir", "runs", "-o", "curves.png"]
     result = run_python(COMPARE, args=args, cwd=tmp_path, timeout=150)

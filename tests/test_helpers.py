@@ -160,7 +160,7 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-@pytest.mark.slow
+@pytest.mark.long  # waits out a 15 s timeout: tests the tests' launcher
 def test_run_torchrun_timeout_kills_every_rank(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="timed out") as info:
         run_torchrun(WORKER, 2, ["hang", str(tmp_path)], timeout=15)

@@ -160,6 +160,7 @@ def test_a_run_restored_on_fewer_workers_trains_every_sample_once(
     assert resized["metrics"]["step"] == 4 + 10 + 18
 
 
+@pytest.mark.long  # the example on the cluster; CI's two Ray tests cover the same paths
 def test_the_ray_example_reports_its_checkpoints_and_dev_metrics(
     ray_env: dict[str, str], tmp_path: Path
 ) -> None:

@@ -138,7 +138,7 @@ def test_hsdp_trains_one_process_model(one: dict[str, Any], out: Path) -> None:
     assert "{0: " in ranks[0]["diverged"] and ", 2: " in ranks[0]["diverged"]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 8 ranks: a minute of CI's 20 (like the pipeline's 8-rank mesh)
 def test_hsdp_with_tensor_parallel(one: dict[str, Any], out: Path) -> None:
     """FSDP(replicate=2, tp=2) on 8 ranks (a 3-D mesh): one process's parameters."""
     ranks = launch(out, "hsdp_tp", 8, timeout=400)
