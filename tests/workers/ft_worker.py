@@ -2,7 +2,9 @@
 KILL_STEP [--in-backward | --kill-healing]] [--epochs N] [--save-path DIR] [--check-sync N]
 [--odd-model GROUP HOW] [--nudge STEP]``, launched by ``python -m fastdist
 ft`` (or with the replica variables set); ``--plain``: one process of plain DDP with
-update_every 2 instead.
+update_every 2 instead; ``--fsdp``: ``FSDP(fault_tolerant=True)`` on a model of two layers
+(launched with ``--procs-per-group 2``: every rank of group KILL_GROUP dies; rank R > 0 writes
+``group<G>.attempt<A>.rank<R>.json[l]``, with its own shards beside the whole parameters).
 
 A linear model on 64 samples (batch 2 per group, 3 epochs) with ``DDP(fault_tolerant=True)``.
 Group KILL_GROUP SIGKILLs itself after update KILL_STEP (or its first later one, if it joined
@@ -32,7 +34,8 @@ from workers.ending import exit_now
 import fastdist
 from fastdist import DistTrainer
 from fastdist.callbacks import Callback
-from fastdist.strategies import DDP
+from fastdist.distributed.dtensor import is_dtensor
+from fastdist.strategies import DDP, FSDP
 
 
 class Record(Callback):
@@ -98,6 +101,7 @@ def main() -> None:
     )
     parser.add_argument("--check-sync", type=int, default=0, help="check_sync_every")
     parser.add_argument("--nudge", type=int, default=0, help="group 1 changes its model then")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP(fault_tolerant=True)")
     parser.add_argument(
         "--odd-model",
         nargs=2,
@@ -108,12 +112,14 @@ def main() -> None:
     out = args.out
     group = int(os.environ.get("FASTDIST_REPLICA_GROUP", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank = int(os.environ.get("RANK", "0"))
     kill_group, kill_step = args.kill if args.kill and attempt == 0 else (-1, -1)
     fastdist.set_seed(0)
     x = torch.randn(64, 4)
     data = TensorDataset(x, x.sum(dim=1, keepdim=True))
-    model = _model(args.odd_model[1] if args.odd_model and int(args.odd_model[0]) == group else "")
-    name = f"group{group}.attempt{attempt}"
+    odd = args.odd_model[1] if args.odd_model and int(args.odd_model[0]) == group else ""
+    model = _model("deeper" if args.fsdp else odd)
+    name = f"group{group}.attempt{attempt}" + (f".rank{rank}" if rank else "")
     heal_killer = args.kill_healing and attempt == 1 and group == args.kill[0]
     log = out / f"{name}.jsonl"
     record = Record(kill_step, group == kill_group, log, args.in_backward, heal_killer)
@@ -122,8 +128,8 @@ def main() -> None:
         train_data=data,
         model=model,
         loss=nn.MSELoss(),
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-        strategy=DDP(fault_tolerant=not args.plain),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.02 if args.fsdp else 0.05, momentum=0.9),
+        strategy=FSDP(fault_tolerant=True) if args.fsdp else DDP(fault_tolerant=not args.plain),
         callbacks_all=[record],
         batch_size_per_gpu=2,
         n_epochs=args.epochs,
@@ -133,6 +139,8 @@ def main() -> None:
         check_sync_every=args.check_sync,
         print_every=1000,
     )
+    if attempt == 0:
+        _all_ready(out)
     start = time.time()
     result = trainer.train()
     (out / f"{name}.json").write_text(
@@ -142,14 +150,36 @@ def main() -> None:
                 "epochs": record.epochs,
                 "steps": result["steps"],
                 "skipped": trainer.state.skipped_steps,
-                "params": [p.tolist() for p in model.parameters()],
+                "params": [_full(p).tolist() for p in model.parameters()],
+                "shards": [
+                    (p.to_local() if is_dtensor(p) else p).tolist() for p in model.parameters()
+                ],
             }
         )
     )
 
 
+def _all_ready(out: Path) -> None:
+    """Wait (60 s at most) until every process of every group has built its trainer, so that
+    the groups' first quorum holds them all (one may start seconds after another here)."""
+    (out / f"ready.{os.getpid()}").touch()
+    expected = int(os.environ.get("FASTDIST_REPLICA_GROUPS", "1"))
+    expected *= int(os.environ.get("WORLD_SIZE", "1"))
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("ready.*"))) < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter (a collective of the group under FSDP)."""
+    return param.full_tensor() if is_dtensor(param) else param
+
+
 def _model(odd: str) -> nn.Module:
-    """The model: a linear one, or with ``odd`` one that differs in shapes or names."""
+    """The model: a linear one, or with ``odd`` one that differs in shapes or names, or one
+    of two layers (``deeper``: FSDP shards each over the group, the last one unevenly)."""
+    if odd == "deeper":
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     if odd == "wider":
         return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))
     if odd == "renamed":
