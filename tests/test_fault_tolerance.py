@@ -30,7 +30,7 @@ from launch import TESTS_DIR, Launch, free_port, run_together, started
 from torch.utils.data import TensorDataset
 
 from fastdist import DistTrainer
-from fastdist.strategies import DDP
+from fastdist.strategies import DDP, FSDP
 from fastdist.strategies.replica_groups import GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR
 from fastdist.strategies.same_model import differences, signature
 
@@ -337,8 +337,13 @@ def test_launch_variables_are_checked(
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=words):
         DDP(fault_tolerant=True)
+    with pytest.raises(ValueError, match=words):
+        FSDP(fault_tolerant=True)
     with pytest.raises(ValueError, match="leave comm_hook and average_every unset"):
         DDP(fault_tolerant=True, comm_hook="fp16")
+    for option in ({"replicate": 2}, {"tp": 2, "tp_plan": {"0": "colwise"}}):
+        with pytest.raises(ValueError, match="leave replicate and tp at 1"):
+            FSDP(fault_tolerant=True, **option)
 
 
 def test_a_model_difference_is_named() -> None:
