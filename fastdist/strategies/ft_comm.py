@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastdist.distributed import broadcast_object, get_rank, get_world_size, is_distributed
+from fastdist.distributed import broadcast_object, get_rank, is_distributed
 
 
 def wrap_ddp(manager: Any, model: nn.Module, group: Any) -> nn.Module:
@@ -41,7 +41,8 @@ def wrap_ddp(manager: Any, model: nn.Module, group: Any) -> nn.Module:
         process_group=within if within is not None else ProcessGroupDummy(0, 1),
         find_unused_parameters=True,
     )
-    ddp.register_comm_hook((manager, within, get_world_size()), _all_reduce)
+    size = dist.get_world_size(within) if within is not None else 1
+    ddp.register_comm_hook((manager, within, size), _all_reduce)
     return ddp
 
 
