@@ -9,8 +9,9 @@ update_every 2 instead; ``--fsdp``: ``FSDP(fault_tolerant=True)`` on a model of 
 A linear model on 64 samples (batch 2 per group, 3 epochs) with ``DDP(fault_tolerant=True)``.
 Group KILL_GROUP SIGKILLs itself after update KILL_STEP (or its first later one, if it joined
 late) on its first attempt (torchrun starts it again). The others, once training alone after
-that update, take 0.5 s per update (else 0.05 s), so that they are still training when the
-killed group comes back. Every attempt
+that update, take 0.5 s per update (else 0.05 s), and before their last 10 updates wait (90 s
+at most) for the killed group's restart (``OUT_DIR/restarted.<attempt>.*``), so that they are still
+training when it comes back. Every attempt
 appends its updates (step, epoch, participating groups, time) to
 ``OUT_DIR/group<G>.attempt<A>.jsonl`` as they commit, and writes ``...json`` at the end: per
 epoch the lost samples and the updates skipped so far, the final parameters. With
@@ -47,6 +48,7 @@ class Record(Callback):
         self.kill_step, self.killer, self.log = kill_step, killer, log
         self.in_backward, self.heal_killer = in_backward, heal_killer
         self.nudge = 0  # change the model after this update (a bug on one group)
+        self.heal_killer_run = False  # the killed group dies again while it heals
         self.epochs: dict[int, dict[str, int]] = {}
 
     def on_step_end(self) -> None:
@@ -61,6 +63,10 @@ class Record(Callback):
         if self.killer and state.global_step >= self.kill_step and not self.in_backward:
             os.kill(os.getpid(), signal.SIGKILL)
         alone = update["groups"] == 1 and state.global_step > self.kill_step > 0
+        if alone and (state.total_steps or 0) - state.global_step <= 10:
+            # Stay for the killed group's return (its last attempt: the second if killed while
+            # healing).
+            _wait_for(self.log.parent, f"restarted.{2 if self.heal_killer_run else 1}.*")
         time.sleep(0.5 if alone else 0.05)
 
     def on_backward_begin(self, loss: object) -> None:
@@ -124,6 +130,7 @@ def main() -> None:
     log = out / f"{name}.jsonl"
     record = Record(kill_step, group == kill_group, log, args.in_backward, heal_killer)
     record.nudge = args.nudge if group == 1 else 0
+    record.heal_killer_run = args.kill_healing
     trainer = DistTrainer(
         train_data=data,
         model=model,
@@ -141,6 +148,8 @@ def main() -> None:
     )
     if attempt == 0:
         _all_ready(out)
+    else:  # a survivor's last updates wait for this
+        (out / f"restarted.{attempt}.{os.getpid()}").touch()
     start = time.time()
     result = trainer.train()
     (out / f"{name}.json").write_text(
@@ -160,13 +169,17 @@ def main() -> None:
 
 
 def _all_ready(out: Path) -> None:
-    """Wait (60 s at most) until every process of every group has built its trainer, so that
-    the groups' first quorum holds them all (one may start seconds after another here)."""
+    """Wait until every process of every group has built its trainer, so that the groups'
+    first quorum holds them all (one may start seconds after another here)."""
     (out / f"ready.{os.getpid()}").touch()
     expected = int(os.environ.get("FASTDIST_REPLICA_GROUPS", "1"))
-    expected *= int(os.environ.get("WORLD_SIZE", "1"))
-    deadline = time.monotonic() + 60
-    while len(list(out.glob("ready.*"))) < expected and time.monotonic() < deadline:
+    _wait_for(out, "ready.*", expected * int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def _wait_for(out: Path, pattern: str, count: int = 1, timeout: float = 90) -> None:
+    """Wait (``timeout`` seconds at most) until ``count`` files in ``out`` match ``pattern``."""
+    deadline = time.monotonic() + timeout
+    while len(list(out.glob(pattern))) < count and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
