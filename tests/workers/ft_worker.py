@@ -9,10 +9,10 @@ update_every 2 instead; ``--fsdp``: ``FSDP(fault_tolerant=True)`` on a model of 
 A linear model on 64 samples (batch 2 per group, 3 epochs) with ``DDP(fault_tolerant=True)``.
 Group KILL_GROUP SIGKILLs itself after update KILL_STEP (or its first later one, if it joined
 late) on its first attempt (torchrun starts it again). The others, once training alone after
-that update, take 0.5 s per update (else 0.05 s), and before their last 10 updates wait (90 s
-at most) for the killed group's restart (``OUT_DIR/restarted.<attempt>.*``), so that they are still
-training when it comes back. Every attempt
-appends its updates (step, epoch, participating groups, time) to
+that update, wait before their last 10 updates (90 s at most, recorded as ``waited``) for the
+killed group's restart (``OUT_DIR/restarted.<attempt>.*``) and take 0.5 s per update from
+there while alone (else 0.05 s), so that they are still training when it comes back. Every
+attempt appends its updates (step, epoch, participating groups, time) to
 ``OUT_DIR/group<G>.attempt<A>.jsonl`` as they commit, and writes ``...json`` at the end: per
 epoch the lost samples and the updates skipped so far, the final parameters. With
 ``--kill-healing`` its second attempt dies too, while it loads a peer's state (heals).
@@ -49,11 +49,13 @@ class Record(Callback):
         self.in_backward, self.heal_killer = in_backward, heal_killer
         self.nudge = 0  # change the model after this update (a bug on one group)
         self.heal_killer_run = False  # the killed group dies again while it heals
+        self.waited = 0.0  # seconds the last update's callback waited for a restart
         self.epochs: dict[int, dict[str, int]] = {}
 
     def on_step_end(self) -> None:
         state, strategy = self.trainer.state, self.trainer.strategy
         update = {"step": state.global_step, "epoch": state.epoch, "t": time.time()}
+        update["waited"] = self.waited  # before this update, in the callback, not in training
         update["groups"] = strategy.torchft.manager.num_participants() if strategy.torchft else 1
         with open(self.log, "a") as log:  # what a killed attempt did stays
             log.write(json.dumps(update) + "\n")
@@ -63,10 +65,11 @@ class Record(Callback):
         if self.killer and state.global_step >= self.kill_step and not self.in_backward:
             os.kill(os.getpid(), signal.SIGKILL)
         alone = update["groups"] == 1 and state.global_step > self.kill_step > 0
-        if alone and (state.total_steps or 0) - state.global_step <= 10:
-            # Stay for the killed group's return (its last attempt: the second if killed while
-            # healing).
+        alone = alone and (state.total_steps or 0) - state.global_step <= 10
+        start = time.monotonic()
+        if alone:  # stay for the killed group's return (the second restart if killed healing)
             _wait_for(self.log.parent, f"restarted.{2 if self.heal_killer_run else 1}.*")
+        self.waited = time.monotonic() - start
         time.sleep(0.5 if alone else 0.05)
 
     def on_backward_begin(self, loss: object) -> None:
