@@ -10,8 +10,9 @@ A linear model on 64 samples (batch 2 per group, 3 epochs) with ``DDP(fault_tole
 Group KILL_GROUP SIGKILLs itself after update KILL_STEP (or its first later one, if it joined
 late) on its first attempt (torchrun starts it again). The others, once training alone after
 that update, wait before their last 10 updates (90 s at most, recorded as ``waited``) for the
-killed group's restart (``OUT_DIR/restarted.<attempt>.*``) and take 0.5 s per update from
-there while alone (else 0.05 s), so that they are still training when it comes back. Every
+killed group's restart (``OUT_DIR/restarted.<attempt>.*``; with ``--kill-healing`` for its
+first restart 10 updates earlier) and take 0.5 s per update from there while alone (else
+0.05 s), so that they are still training when it comes back. Every
 attempt appends its updates (step, epoch, participating groups, time) to
 ``OUT_DIR/group<G>.attempt<A>.jsonl`` as they commit, and writes ``...json`` at the end: per
 epoch the lost samples and the updates skipped so far, the final parameters. With
@@ -64,11 +65,16 @@ class Record(Callback):
                 next(self.trainer.strategy.model.parameters()).add_(1.0)
         if self.killer and state.global_step >= self.kill_step and not self.in_backward:
             os.kill(os.getpid(), signal.SIGKILL)
+        # Alone near the end: stay for each restart of the killed group (the 10 updates after
+        # each leave it time to join; killed while healing, its first restart needs a peer).
+        final = 2 if self.heal_killer_run else 1
+        left = (state.total_steps or 0) - state.global_step
         alone = update["groups"] == 1 and state.global_step > self.kill_step > 0
-        alone = alone and (state.total_steps or 0) - state.global_step <= 10
+        alone = alone and left <= 10 * final
         start = time.monotonic()
-        if alone:  # stay for the killed group's return (the second restart if killed healing)
-            _wait_for(self.log.parent, f"restarted.{2 if self.heal_killer_run else 1}.*")
+        for restart in range(1, final + 1) if alone else ():
+            if left <= 10 * (final - restart + 1):
+                _wait_for(self.log.parent, f"restarted.{restart}.*")
         self.waited = time.monotonic() - start
         time.sleep(0.5 if alone else 0.05)
 
