@@ -1,12 +1,15 @@
-"""Per-step fault tolerance on torchft (``DDP(fault_tolerant=True)``), with real processes.
+"""Per-step fault tolerance on torchft (``DDP``/``FSDP(fault_tolerant=True)``), with real
+processes.
 
 One launch of ``python -m fastdist ft`` (a Lighthouse and 2 replica groups of one process, on
 127.0.0.1) in which group 1 SIGKILLs itself after a seeded update: group 0 trains on alone,
 torchrun restarts group 1, which heals from group 0 and trains to the end with it. Then bad
 input, in process: no Lighthouse, missing launch variables, the words naming a model
-difference; in the long tier: a replica index used twice (two processes, the Lighthouse started
-here and stopped by PID), groups whose models differ, a group of 2 processes. The long tier
-also kills a group while it heals, and finds groups apart with check_sync_every.
+difference. A second launch: 2 groups of 2 processes under FSDP(fault_tolerant=True), group 1
+killed and healed rank by rank. In the long tier: a replica index used twice (two processes,
+the Lighthouse started here and stopped by PID), groups whose models differ, 2 groups of 2
+processes under DDP, a Lighthouse lost or restarted. The long tier also kills a group while
+it heals, and finds groups apart with check_sync_every.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from launch import TESTS_DIR, Launch, free_port, run_together, started
 from torch.utils.data import TensorDataset
 
 from fastdist import DistTrainer
-from fastdist.strategies import DDP
+from fastdist.strategies import DDP, FSDP
 from fastdist.strategies.replica_groups import GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR
 from fastdist.strategies.same_model import differences, signature
 
@@ -40,18 +43,46 @@ BATCH = 2  # per group and update
 
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The run in which group 1 was killed after KILL_STEP."""
-    return _killed_run(tmp_path_factory.mktemp("ft-killed"))
+def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Two runs started together (each mostly waits: for a restart, on the survivor's slowed
+    updates): 2 groups of one process under DDP, and 2 groups of 2 processes under
+    FSDP(fault_tolerant=True); in each, group 1 (every rank of it) killed after KILL_STEP."""
+    single, double = tmp_path_factory.mktemp("ft-killed"), tmp_path_factory.mktemp("ft-2x2")
+    launches = [_kill_launch(single), _kill_launch(double, "--fsdp", "--epochs", "5", procs=2)]
+    results = run_together(launches, timeout=200)
+    return [_records(out, result) for out, result in zip((single, double), results, strict=True)]
 
 
-def _killed_run(out: Path, *args: str, restarts: int = 1) -> dict[str, Any]:
-    """Run 2 groups, group 1 killed at KILL_STEP: each attempt's updates, as committed
-    (``<name>.jsonl``), and its end (``<name>.json``; a killed attempt has none)."""
+@pytest.fixture(scope="module")
+def killed(killed_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of groups of one process in which group 1 was killed after KILL_STEP."""
+    return killed_runs[0]
+
+
+@pytest.fixture(scope="module")
+def killed_2x2(killed_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of 2 groups of 2 processes under FSDP(fault_tolerant=True)."""
+    return killed_runs[1]
+
+
+def _killed_run(out: Path, *args: str, restarts: int = 1, procs: int = 1) -> dict[str, Any]:
+    """Run 2 groups of ``procs`` processes, group 1 killed at KILL_STEP (see :func:`_records`)."""
+    (result,) = run_together([_kill_launch(out, *args, restarts=restarts, procs=procs)], 200)
+    return _records(out, result)
+
+
+def _kill_launch(out: Path, *args: str, restarts: int = 1, procs: int = 1) -> Launch:
+    """``python -m fastdist ft`` of 2 groups of ``procs`` processes, group 1 killed at
+    KILL_STEP, torchrun restarting each group up to ``restarts`` times."""
     cli = [sys.executable, "-m", "fastdist", "ft", "--groups", "2"]
-    cli += ["--max-restarts", str(restarts)]
+    cli += ["--max-restarts", str(restarts), "--procs-per-group", str(procs)]
     cli += ["--heartbeat-timeout-ms", "1000", str(WORKER), "--", str(out), "1", str(KILL_STEP)]
-    (result,) = run_together([Launch([*cli, *args])], timeout=150)
+    return Launch([*cli, *args])
+
+
+def _records(out: Path, result: Any) -> dict[str, Any]:
+    """Each attempt's updates, as committed (``<name>.jsonl``), and its end (``<name>.json``;
+    a killed attempt has none); rank R > 0 of a group under ``<name>.rankR``."""
     assert result.returncode == 0, result.describe()
     records: dict[str, Any] = {"output": result.output}
     for path in out.glob("*.jsonl"):
@@ -76,8 +107,9 @@ def test_survivor_never_stops_and_the_killed_group_heals(killed: dict[str, Any])
     alone = [i for i, g in enumerate(groups) if g == 1 and steps[i] > KILL_STEP]
     assert alone, f"group 0 never trained alone after the kill: {groups}\n{output}"
     assert 2 in groups[alone[-1] :], f"group 1 never rejoined: {groups}\n{output}"
-    times = [u["t"] for u in alive["updates"]]
-    assert max(b - a for a, b in zip(times, times[1:], strict=False)) < 15, "group 0 stalled"
+    ups = alive["updates"]
+    gaps = [b["t"] - a["t"] - b["waited"] for a, b in zip(ups, ups[1:], strict=False)]
+    assert max(gaps) < 15, "group 0 stalled"  # its own waits for group 1's restart left out
     # The restarted group healed from group 0 (no disk checkpoint: none was written).
     healed_steps = [u["step"] for u in healed["updates"]]
     assert healed_steps[0] > KILL_STEP + 1, healed_steps
@@ -137,24 +169,30 @@ def test_check_sync_every_finds_groups_apart_on_every_group(tmp_path: Path) -> N
     assert all("the replica groups' parameters differ after update 4" in e for e in errors)
 
 
-def _check_accounting(run: dict[str, Any]) -> None:
-    """Each epoch's samples: in an update some group committed, or counted lost."""
+def _check_accounting(run: dict[str, Any], per_update: int = BATCH) -> None:
+    """Each epoch's samples: in an update some group committed (``per_update`` samples
+    each), or counted lost."""
     updates = {}  # step -> the update, as any group that committed it recorded it
     for name in ("group0.attempt0", "group1.attempt0", "group1.attempt1"):
         updates.update({u["step"]: u for u in run[name]["updates"]})
     alive = run["group0.attempt0"]
     assert sorted(updates) == list(range(1, alive["steps"] + 1))
     for epoch, counts in alive["epochs"].items():
-        trained = sum(u["groups"] * BATCH for u in updates.values() if u["epoch"] == int(epoch))
+        trained = sum(
+            u["groups"] * per_update for u in updates.values() if u["epoch"] == int(epoch)
+        )
         assert trained + counts["lost"] == SAMPLES, (epoch, trained, counts)
     assert sum(c["lost"] for c in alive["epochs"].values()) > 0
     assert "samples lost" in run["output"]
 
 
 @contextlib.contextmanager
-def _lighthouse(min_replicas: int) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A torchft Lighthouse on a free port: its URL and process, stopped by its PID."""
-    port = free_port()
+def _lighthouse(
+    min_replicas: int, port: int | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A torchft Lighthouse on ``port`` (default a free one): its URL and process, stopped
+    by its PID."""
+    port = port or free_port()
     binary = Path(sys.executable).parent / "torchft_lighthouse"
     proc = subprocess.Popen(
         [str(binary), f"--min_replicas={min_replicas}", f"--bind=[::]:{port}"]
@@ -187,24 +225,62 @@ def test_a_replica_index_used_twice_fails_on_both(lighthouse: str, tmp_path: Pat
         )
 
 
-@pytest.mark.long  # 7 to 16 s here: over the default run's budget
-def test_a_group_of_two_processes_is_refused_on_both(tmp_path: Path) -> None:
-    """One replica group launched as 2 torchrun processes: each refuses before training,
-    naming what works today (one process per group)."""
-    env = {GROUP_VAR: "0", GROUPS_VAR: "1", LIGHTHOUSE_VAR: f"http://localhost:{free_port()}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    (result,) = run_together([Launch([*cmd, str(WORKER), str(tmp_path)], env)], 120)
-    assert result.returncode != 0
-    refusal = "DDP(fault_tolerant=True) runs replica groups of one process, but this group has 2"
-    assert result.output.count(refusal) >= 2, result.describe()  # on each rank
-    assert "Groups of several processes (FSDP within a group" in result.output
+@pytest.mark.slow
+def test_fsdp_groups_of_two_heal_rank_by_rank(killed_2x2: dict[str, Any]) -> None:
+    """2 groups x 2 processes, FSDP within a group, torchft across: group 1 (both ranks)
+    killed at KILL_STEP; group 0 never stops, group 1 restarts and each of its ranks heals
+    its own shards from the same rank of group 0; all end with equal parameters, and every
+    sample is trained or counted lost."""
+    run, output = killed_2x2, killed_2x2["output"]
+    _check_survivor_and_healed(run)
+    for rank in ("", ".rank1"):  # each rank: its shards equal the same rank's of group 0
+        alive, healed = run[f"group0.attempt0{rank}"], run[f"group1.attempt1{rank}"]
+        assert healed["shards"] == alive["shards"], output
+        assert healed["params"] == alive["params"], output
+        assert [u["step"] for u in healed["updates"]] == [
+            u["step"] for u in run["group1.attempt1"]["updates"]
+        ]  # the group's ranks healed to the same step
+    assert run["group0.attempt0"]["shards"] != run["group0.attempt0.rank1"]["shards"]
+    _check_accounting(run, per_update=4)
 
 
 @pytest.mark.long
-def test_a_lost_lighthouse_ends_every_group_clearly(tmp_path: Path) -> None:
+def test_ddp_groups_of_two_heal(tmp_path: Path) -> None:
+    """2 groups x 2 processes under DDP(fault_tolerant=True) (DDP within a group, its
+    averaged gradients averaged across the groups): as above."""
+    run = _killed_run(tmp_path, "--epochs", "5", procs=2)
+    _check_survivor_and_healed(run)
+    assert run["group1.attempt1.rank1"]["params"] == run["group0.attempt0"]["params"]
+    _check_accounting(run, per_update=4)
+
+
+def _check_survivor_and_healed(run: dict[str, Any]) -> None:
+    """Group 0 never stopped and its count went on; group 1's second attempt healed from it
+    past KILL_STEP and ended with its parameters."""
+    output = run["output"]
+    assert "params" not in run["group1.attempt0"], output
+    assert run["group1.attempt0"]["updates"][-1]["step"] == KILL_STEP, output
+    alive, healed = run["group0.attempt0"], run["group1.attempt1"]
+    steps = [u["step"] for u in alive["updates"]]
+    assert steps == list(range(1, alive["steps"] + 1)), output
+    groups = [u["groups"] for u in alive["updates"]]
+    assert 1 in groups[KILL_STEP:] and groups[-1] == 2, f"{groups}\n{output}"
+    healed_steps = [u["step"] for u in healed["updates"]]
+    assert healed_steps[0] > KILL_STEP + 1, healed_steps
+    assert healed_steps == list(range(healed_steps[0], alive["steps"] + 1))
+    assert healed["params"] == alive["params"]
+    assert "samples lost" in output
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("restart", [False, True], ids=["killed", "restarted"])
+def test_a_lost_lighthouse_ends_every_group_clearly(restart: bool, tmp_path: Path) -> None:
     """The Lighthouse killed while 2 groups train: each fails within its timeout (30 s),
-    naming the Lighthouse; none hangs."""
-    with _lighthouse(min_replicas=1) as (url, lighthouse):
+    naming the Lighthouse; none hangs. Also when a new Lighthouse starts on its port 1 s
+    later: torchft 0.2.0 does not carry on (the new one numbers its quorums from 1 again,
+    which the groups' Managers take for the quorum they hold, so none reconfigures its
+    process group and their all-reduce waits for a peer that waits for a quorum)."""
+    with contextlib.ExitStack() as stack, _lighthouse(min_replicas=1) as (url, lighthouse):
         cmd = [sys.executable, str(WORKER), str(tmp_path), "--epochs", "100"]
         env = {GROUP_VAR: "0", GROUPS_VAR: "2", LIGHTHOUSE_VAR: url}
         log = tmp_path / "group0.attempt0.jsonl"
@@ -218,6 +294,9 @@ def test_a_lost_lighthouse_ends_every_group_clearly(tmp_path: Path) -> None:
                 time.sleep(0.2)
             lighthouse.kill()
             killed_at = time.monotonic()
+            if restart:
+                time.sleep(1)
+                stack.enter_context(_lighthouse(1, port=int(url.rsplit(":", 1)[1])))
             for group in (first, second):
                 group.proc.wait(timeout=90)
                 assert group.proc.returncode != 0
@@ -259,8 +338,13 @@ def test_launch_variables_are_checked(
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=words):
         DDP(fault_tolerant=True)
+    with pytest.raises(ValueError, match=words):
+        FSDP(fault_tolerant=True)
     with pytest.raises(ValueError, match="leave comm_hook and average_every unset"):
         DDP(fault_tolerant=True, comm_hook="fp16")
+    for option in ({"replicate": 2}, {"tp": 2, "tp_plan": {"0": "colwise"}}):
+        with pytest.raises(ValueError, match="leave replicate and tp at 1"):
+            FSDP(fault_tolerant=True, **option)
 
 
 def test_a_model_difference_is_named() -> None:

@@ -43,6 +43,7 @@ from fastdist.checkpoint.resume import choose
 from fastdist.checkpoint.sharded import discard, load_shards, publish, write_shards
 from fastdist.checkpoint.temps import readable, remove_stale
 from fastdist.distributed import agree, broadcast_object, gather_object, get_rank, get_world_size
+from fastdist.distributed.dtensor import as_shards, local_shards
 from fastdist.logging import logger
 
 REPLICATED, PER_RANK, SHARDED = "replicated", "per_rank", "sharded"
@@ -336,15 +337,19 @@ class Checkpointer:
     def _live_state(self) -> dict[str, Any]:
         """This rank's view of every part, as a live peer sends it (no collective: it is
         called in torchft's quorum thread)."""
-        held = [p for p in self.parts.values() if p.scope in (REPLICATED, PER_RANK)]
+        held = [p for p in self.parts.values() if p.scope != GATHERED]
         if len(held) != len(self.parts):
-            raise ValueError("healing from a peer takes replicated and per-rank parts only")
-        return {part.name: part.obj.state_dict() for part in held}
+            raise ValueError("healing from a peer takes replicated, per-rank and sharded parts")
+        # A sharded part as this rank's local shards: the peer's matching rank holds the same.
+        return {part.name: local_shards(part.obj.state_dict()) for part in held}
 
     def _load_live(self, state: dict[str, Any]) -> None:
         """Load what a peer's :meth:`_live_state` sent."""
         for part in self.parts.values():
-            part.obj.load_state_dict(state[part.name])
+            received = state[part.name]
+            if part.scope == SHARDED:
+                received = as_shards(received, part.obj.state_dict())
+            part.obj.load_state_dict(received)
 
     def _check_saved(self, checkpoint: dict[str, Any], part: Part, path: str) -> None:
         """Raise (alike on every rank, before any collective) if ``part`` is not in the

@@ -1,9 +1,10 @@
 """``python -m fastdist ft``: a torchft Lighthouse and N replica groups on this machine.
 
-It starts ``torchft_lighthouse`` on a free port, then one ``torchrun --standalone`` per
-replica group (torchrun restarts a group's failed processes, up to ``--max-restarts`` times),
-each with ``FASTDIST_REPLICA_GROUP``, ``FASTDIST_REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE``
-set for a script that trains with ``DDP(fault_tolerant=True)``. It waits for every group,
+It starts ``torchft_lighthouse`` on a free port, then one ``torchrun --standalone`` of
+``--procs-per-group`` processes per replica group (torchrun restarts a group's processes when
+one fails, up to ``--max-restarts`` times), each with ``FASTDIST_REPLICA_GROUP``,
+``FASTDIST_REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE`` set for a script that trains with
+``DDP(fault_tolerant=True)`` or ``FSDP(fault_tolerant=True)``. It waits for every group,
 stops the Lighthouse by its PID and exits with the worst group's status. No launcher or
 rendezvous of its own: torchrun runs each group, torchft's Lighthouse joins them.
 """
@@ -36,6 +37,12 @@ def add_parser(commands: Any) -> None:
         "--min-replicas", type=int, default=1, help="fewest groups a quorum needs (default 1)"
     )
     parser.add_argument(
+        "--procs-per-group",
+        type=int,
+        default=1,
+        help="processes of each group (torchrun's --nproc-per-node; default 1)",
+    )
+    parser.add_argument(
         "--max-restarts", type=int, default=3, help="torchrun's restarts of a group (default 3)"
     )
     parser.add_argument(
@@ -60,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
             f"--groups {args.groups} and --min-replicas {args.min_replicas}: need "
             "1 <= --min-replicas <= --groups"
         )
+    if args.procs_per_group < 1:
+        raise SystemExit(f"--procs-per-group {args.procs_per_group}: need 1 or more")
     binary = shutil.which("torchft_lighthouse") or str(
         Path(sys.executable).parent / "torchft_lighthouse"
     )
@@ -85,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
             env = {**os.environ, GROUP_VAR: str(index), GROUPS_VAR: str(args.groups)}
             env[LIGHTHOUSE_VAR] = url
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-            cmd += ["--nproc-per-node=1", f"--max-restarts={args.max_restarts}"]
+            cmd += [f"--nproc-per-node={args.procs_per_group}"]
+            cmd += [f"--max-restarts={args.max_restarts}"]
             groups.append(subprocess.Popen([*cmd, args.script, *args.script_args], env=env))
         return max(group.wait() for group in groups)
     finally:

@@ -29,3 +29,37 @@ def is_fsdp_module(obj: Any) -> TypeIs[FSDPModule]:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(obj, FSDPModule)
+
+
+def local_shards(state: Any) -> Any:
+    """``state`` (a nested dict/list of a sharded model's or optimizer's state) with every
+    DTensor replaced by this rank's local shard: what a peer replica group's matching rank
+    receives when it heals (torchft's checkpoint transport sends plain tensors)."""
+    if is_dtensor(state):
+        return state.to_local()
+    if isinstance(state, dict):
+        return {k: local_shards(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(local_shards(v) for v in state)
+    return state
+
+
+def as_shards(received: Any, mine: Any) -> Any:
+    """The inverse of :func:`local_shards`: ``received`` with each local shard made a DTensor
+    laid out as the DTensor in the same place of ``mine`` (this rank's own state)."""
+    if is_dtensor(mine):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            received.to(mine.device),
+            mine.device_mesh,
+            mine.placements,
+            shape=mine.shape,
+            stride=mine.stride(),
+            run_check=False,
+        )
+    if isinstance(received, dict) and isinstance(mine, dict):
+        return {k: as_shards(v, mine.get(k)) for k, v in received.items()}
+    if isinstance(received, (list, tuple)) and isinstance(mine, (list, tuple)):
+        return type(received)(as_shards(r, m) for r, m in zip(received, mine, strict=False))
+    return received

@@ -16,12 +16,8 @@ from fastdist.distributed import get_world_size, is_distributed
 from fastdist.logging import logger
 from fastdist.state import TrainerState
 from fastdist.strategies.base import Strategy, Update
-from fastdist.strategies.replica_groups import (
-    Gated,
-    ReplicaGroups,
-    replica_group_from_env,
-    wrap_model,
-)
+from fastdist.strategies.ft_comm import wrap_ddp
+from fastdist.strategies.replica_groups import Gated, ReplicaGroups, replica_group_from_env
 from fastdist.strategies.topology import Topology
 
 if TYPE_CHECKING:  # the hooks are imported when set
@@ -48,10 +44,12 @@ class DDP(Strategy):
             all-reduce, each rank steps on its own gradients and the parameters are averaged
             (torch's ``average_parameters``) after every update whose number is a multiple of
             ``average_every``; 0: off.
-        fault_tolerant: run this job as one of several torchft replica groups (one process
-            each), launched by ``python -m fastdist ft``: a group that fails drops out of the
-            updates while the others go on, and heals from a live peer when it comes back
-            (:mod:`~fastdist.strategies.replica_groups`; docs: reliability).
+        fault_tolerant: run this job as one of several torchft replica groups, launched by
+            ``python -m fastdist ft``: a group that fails drops out of the updates while the
+            others go on, and heals from a live peer when it comes back
+            (:mod:`~fastdist.strategies.replica_groups`; docs: reliability). A group of
+            several processes runs DDP within itself; its gradients, averaged over its
+            ranks, are then averaged across the groups.
         min_replicas: with ``fault_tolerant``, the fewest groups that may commit an update.
             Each group writes its files under ``<save_path>/replica_group<i>``.
 
@@ -114,14 +112,6 @@ class DDP(Strategy):
     ) -> None:
         if self.comm_hook == "bf16" and device.type != "cuda":
             raise ValueError("comm_hook='bf16' needs CUDA and NCCL; use comm_hook='fp16' with gloo")
-        if self.fault_tolerant and get_world_size() > 1:
-            raise ValueError(
-                f"DDP(fault_tolerant=True) runs replica groups of one process, but this group "
-                f"has {get_world_size()}: start one process per group "
-                "(python -m fastdist ft --groups N SCRIPT). Groups of several processes "
-                "(FSDP within a group, torchft across groups) are not supported yet; for "
-                "those, use FSDP(replicate=...) without fault tolerance"
-            )
 
     def setup(
         self,
@@ -149,9 +139,9 @@ class DDP(Strategy):
         if self.fault_tolerant:
             index, count = self.replica_group
             self.torchft = ReplicaGroups(index, count, self.min_replicas, timeout or 60.0)
-            manager = self.torchft.start(group_rank=0, group_size=1, model=model)
+            manager = self.torchft.start(model, group)
             self.peer = self.torchft
-            self.module = wrap_model(manager, model)
+            self.module = wrap_ddp(manager, model, group)
             return Gated(optimizer, self.torchft)
         if not is_distributed():
             return optimizer  # one process: nothing to all-reduce

@@ -16,10 +16,12 @@ from torch import nn
 from fastdist.checkpoint import PER_RANK, SHARDED
 from fastdist.checks import check_bool, check_int, describe
 from fastdist.distributed import get_rank, get_world_size, is_distributed
-from fastdist.distributed.dtensor import is_fsdp_module
+from fastdist.distributed.dtensor import is_fsdp_module, local_shards
 from fastdist.logging import logger
-from fastdist.strategies.base import Strategy
+from fastdist.state import TrainerState
+from fastdist.strategies.base import Strategy, Update
 from fastdist.strategies.blocks import checkpoint_blocks, compile_blocks, find_blocks, plain_name
+from fastdist.strategies.replica_groups import Gated, ReplicaGroups, replica_group_from_env
 from fastdist.strategies.topology import Topology
 
 if TYPE_CHECKING:  # torch's FSDP and DTensor packages (~0.6 s) are imported when used
@@ -93,6 +95,14 @@ class FSDP(Strategy):
             (see :mod:`fastdist.strategies.tensor_parallel`), or a function ``plan(model,
             tp_mesh)`` that parallelizes the model itself; ``None``: the model's own Hugging
             Face plan (``config.base_model_tp_plan``).
+        fault_tolerant: run this job as one of several torchft replica groups, launched by
+            ``python -m fastdist ft --procs-per-group N``: HSDP whose replicate dimension is
+            torchft's (``fully_shard`` over the group's processes, each gradient shard then
+            averaged with the same rank of every other group); a group that fails drops
+            out of the updates while the others go on, and each of its ranks heals its
+            shards from the same rank of a live group (docs: reliability). ``replicate`` and
+            ``tp`` stay 1.
+        min_replicas: with ``fault_tolerant``, the fewest groups that may commit an update.
 
     The trainer's ``amp`` sets the ``MixedPrecisionPolicy``: parameters cast to bf16/fp16 for
     compute, gradients reduced in fp32.
@@ -118,6 +128,8 @@ class FSDP(Strategy):
         tp: int = 1,
         tp_plan: Plan | None = None,
         replicate: int = 1,
+        fault_tolerant: bool = False,
+        min_replicas: int = 1,
     ) -> None:
         from fastdist.strategies.tensor_parallel import check_plan_option
 
@@ -132,6 +144,18 @@ class FSDP(Strategy):
         self.replicate = replicate
         self.tp = tp
         self.tp_plan = tp_plan
+        check_bool("fault_tolerant", fault_tolerant)
+        check_int("min_replicas", min_replicas, minimum=1)
+        if fault_tolerant and (replicate > 1 or tp > 1):
+            raise ValueError(
+                "FSDP(fault_tolerant=True) shards over each replica group's processes and "
+                "replicates across the groups through torchft: leave replicate and tp at 1 "
+                "(launch more groups for more replicas)"
+            )
+        self.fault_tolerant, self.min_replicas = fault_tolerant, min_replicas
+        self.torchft: ReplicaGroups | None = None
+        if fault_tolerant:  # the launch says which group this is
+            self.replica_group = replica_group_from_env("FSDP")
 
     def check(
         self,
@@ -213,7 +237,7 @@ class FSDP(Strategy):
             checkpoint_blocks(model, blocks, checkpointing)
             if compile:
                 compile_blocks(model, blocks)
-            return optimizer
+            return self._join_groups(optimizer, group, timeout)
         from torch.distributed.fsdp import (
             fully_shard,
             register_fsdp_forward_method,
@@ -242,7 +266,35 @@ class FSDP(Strategy):
             type(model).__name__,
         )
         switch_parameters(optimizer, old_names, model)
-        return optimizer
+        return self._join_groups(optimizer, group, timeout)
+
+    def _join_groups(
+        self, optimizer: torch.optim.Optimizer, group: Any, timeout: float | None
+    ) -> torch.optim.Optimizer:
+        """With ``fault_tolerant``: join torchft's replica groups, average the gradient
+        shards across them, step only on the updates torchft commits."""
+        if not self.fault_tolerant:
+            return optimizer
+        from fastdist.strategies.ft_comm import reduce_across_groups, wrap_ddp
+
+        index, count = self.replica_group
+        self.torchft = self.peer = ReplicaGroups(index, count, self.min_replicas, timeout or 60.0)
+        manager = self.torchft.start(self.model, group)
+        if is_fsdp_module(self.model):
+            reduce_across_groups(manager, self.model)
+        else:  # a group of one process: the plain model, averaged across groups as by DDP
+            self.module = wrap_ddp(manager, self.model, group)
+        return Gated(optimizer, self.torchft)
+
+    def bind(self, state: TrainerState, samples_per_update: int) -> None:
+        if self.torchft is not None:
+            self.torchft.bind(state, samples_per_update)
+
+    def forward_backward(self, update: Update) -> None:
+        """The update, after torchft's quorum (which may heal this group) if fault tolerant."""
+        if self.torchft is not None:
+            self.torchft.start_update()
+        super().forward_backward(update)
 
     def shard_options(self, mesh: Any, amp: str | None) -> dict[str, Any]:
         """``fully_shard``'s keyword arguments under these options, over ``mesh``."""
@@ -281,6 +333,10 @@ class FSDP(Strategy):
     def replicas(self, step: int) -> list[tuple[str, torch.Tensor]]:
         """Each rank's shards, which the replica groups (HSDP) hold copies of; none under
         plain FSDP (each parameter has one copy, split over the ranks)."""
+        if self.torchft is not None:  # compared with the same rank of every group
+            shards = [(name, local_shards(p)) for name, p in self.model.named_parameters()]
+            self.torchft.check_in_sync(shards, step)
+            return []  # no copy within the group
         if not is_fsdp_module(self.model):
             return super().replicas(step)
         if self.topology.size("dp_replicate") == 1:
@@ -331,3 +387,12 @@ class FSDP(Strategy):
             ("optimizer", ShardedOptimizer(self.model, self.optimizer), SHARDED),
             ("strategy", self, PER_RANK),
         ]
+
+    def state_dict(self) -> dict[str, Any]:
+        """torchft's step and committed batches (fault tolerant): a disk checkpoint resumes
+        them."""
+        return {"torchft": self.torchft.state_dict()} if self.torchft is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.torchft is not None and "torchft" in state:
+            self.torchft.load_state_dict(state["torchft"])

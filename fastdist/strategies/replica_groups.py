@@ -1,11 +1,15 @@
-"""Replica groups under torchft (``DDP(fault_tolerant=True)``): per-step fault tolerance.
+"""Replica groups under torchft (``DDP(fault_tolerant=True)``, ``FSDP(fault_tolerant=True)``):
+per-step fault tolerance.
 
-Each replica group is a job of its own (one torchrun) that joins a torchft Lighthouse. Every
-update starts with a torchft quorum (:meth:`ReplicaGroups.start_update`), its gradients are
-averaged over the groups in the quorum by torchft's DDP and ``ProcessGroupGloo``, and it is
-applied only where torchft's ``should_commit`` agrees (:class:`Gated`). A group that joins or
-falls behind receives every checkpoint part of a healthy group through torchft's checkpoint
-transport (the same ``state_dict`` contract as a checkpoint on disk; nothing is read from disk).
+Each replica group is a job of its own (one torchrun, of one or more processes) that joins a
+torchft Lighthouse. Every update starts with a torchft quorum
+(:meth:`ReplicaGroups.start_update`), its gradients are averaged within the group by torch
+and across the groups in the quorum over torchft's ``ProcessGroupGloo``
+(:mod:`~fastdist.strategies.ft_comm`), and it is applied only where torchft's
+``should_commit`` agrees (:class:`Gated`). A group that joins or falls behind receives every
+checkpoint part of a healthy group through torchft's checkpoint transport, each rank from
+the same rank of the healthy group (its own shard, under FSDP): the same ``state_dict``
+contract as a checkpoint on disk; nothing is read from disk.
 
 The launch says which group a process belongs to: ``FASTDIST_REPLICA_GROUP`` (its index, from
 0), ``FASTDIST_REPLICA_GROUPS`` (how many the job has) and ``TORCHFT_LIGHTHOUSE`` (the
@@ -30,8 +34,11 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
+from fastdist.distributed import get_rank, get_world_size
+from fastdist.distributed.dtensor import local_shards
 from fastdist.logging import logger
 from fastdist.state import TrainerState
+from fastdist.strategies.ft_comm import group_store
 from fastdist.strategies.same_model import (
     FIX,
     Signature,
@@ -52,7 +59,7 @@ LAUNCH_HINT = (
 )
 
 
-def replica_group_from_env() -> tuple[int, int]:
+def replica_group_from_env(strategy: str = "DDP") -> tuple[int, int]:
     """``(index, count)`` of this process's replica group, from the launch's environment;
     raise naming the variable when it is missing or wrong (alike on every process)."""
     values = []
@@ -60,7 +67,7 @@ def replica_group_from_env() -> tuple[int, int]:
         text = os.environ.get(name)
         if text is None or not text.strip().isdigit():
             raise ValueError(
-                f"DDP(fault_tolerant=True) needs {name} set to a number, got {text!r}: "
+                f"{strategy}(fault_tolerant=True) needs {name} set to a number, got {text!r}: "
                 + LAUNCH_HINT
             )
         values.append(int(text))
@@ -70,7 +77,7 @@ def replica_group_from_env() -> tuple[int, int]:
             f"{GROUP_VAR}={index} must be below {GROUPS_VAR}={count} (groups 0..{count - 1})"
         )
     if not os.environ.get(LIGHTHOUSE_VAR):
-        raise ValueError(f"DDP(fault_tolerant=True) needs {LIGHTHOUSE_VAR}: " + LAUNCH_HINT)
+        raise ValueError(f"{strategy}(fault_tolerant=True) needs {LIGHTHOUSE_VAR}: " + LAUNCH_HINT)
     return index, count
 
 
@@ -110,18 +117,19 @@ class ReplicaGroups:
         self.checked = -1  # the last quorum whose groups were found to hold the same model
         self.odd_peer = ""  # how a peer's model that this group did not heal from differs
 
-    def start(self, group_rank: int, group_size: int, model: nn.Module) -> Any:
+    def start(self, model: nn.Module, group: Any) -> Any:
         """Join the Lighthouse: create torchft's Manager (over its ``ProcessGroupGloo`` and
-        HTTP checkpoint transport) for this group's rank ``group_rank`` of ``group_size``;
-        every new quorum checks that its groups hold the same ``model``."""
+        HTTP checkpoint transport) for this process, a rank of the group's process ``group``;
+        every new quorum checks that its groups hold the same ``model`` (this rank's shards
+        of it, under FSDP, against the same rank's of every group)."""
         from torchft import Manager, ProcessGroupGloo
 
-        self.model = signature(model.state_dict())
+        self.model = signature(local_shards(model.state_dict()))
 
         lighthouse = os.environ[LIGHTHOUSE_VAR]
         check_reachable(lighthouse, min(self.timeout, 10.0))
         limit = timedelta(seconds=self.timeout)
-        store_addr, store_port = _store()
+        store_addr, store_port = group_store(group)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=limit),
             load_state_dict=None,
@@ -131,8 +139,8 @@ class ReplicaGroups:
             timeout=limit,
             quorum_timeout=limit,
             connect_timeout=limit,
-            rank=group_rank,
-            world_size=group_size,
+            rank=get_rank(),
+            world_size=get_world_size(),
             store_addr=store_addr,
             store_port=store_port,
             lighthouse_addr=lighthouse,
@@ -249,33 +257,6 @@ class ReplicaGroups:
         self.manager.load_state_dict(state)
 
 
-def wrap_model(manager: Any, model: nn.Module) -> nn.Module:
-    """``model`` under torch's DistributedDataParallel whose gradients are averaged over the
-    quorum's groups by torchft's ``Manager.allreduce``, as torchft's own DDP wrapper does (a
-    dummy process group for DDP's own start-up broadcast; buckets never rebuilt). Its hook
-    is not torchft's: in torchft 0.2.0 that one fails an assertion in the backward pass when
-    a peer dies during the all-reduce, where the update must only be left uncommitted."""
-    from torch.nn.parallel import DistributedDataParallel
-    from torchft.process_group import ProcessGroupDummy
-
-    ddp = DistributedDataParallel(
-        model, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True
-    )
-    ddp.register_comm_hook(manager, _all_reduce)
-    return ddp
-
-
-def _all_reduce(manager, bucket):
-    """Average ``bucket`` (a ``dist.GradBucket``) over the quorum; return a done future. A
-    failure is reported to the Manager (the update is then not committed), not raised.
-    Unannotated: DDP checks a hook's annotations, and this module's are strings."""
-    buffer = bucket.buffer()
-    manager.allreduce(buffer).wait()
-    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    done.set_result(buffer)
-    return done
-
-
 class Gated(torch.optim.Optimizer):
     """``optimizer`` stepped only when torchft commits the update (``step`` returns whether
     it did); everything else is the wrapped optimizer's."""
@@ -297,7 +278,7 @@ class Gated(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> bool:  # type: ignore[override]
         if closure is not None:
-            raise ValueError("DDP(fault_tolerant=True) takes optimizers without a closure")
+            raise ValueError("fault_tolerant=True takes optimizers without a closure")
         if not self.groups.commit():
             return False
         self.optim.step()
@@ -321,17 +302,3 @@ class Gated(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"Gated({self.optim!r})"
-
-
-def _store() -> tuple[str, int]:
-    """The group's TCPStore (torchrun's; one process alone gets one of its own)."""
-    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    _STORES.append(store)  # kept alive with the process
-    return "127.0.0.1", int(store.port)
-
-
-_STORES: list[Any] = []

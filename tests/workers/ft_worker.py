@@ -2,14 +2,18 @@
 KILL_STEP [--in-backward | --kill-healing]] [--epochs N] [--save-path DIR] [--check-sync N]
 [--odd-model GROUP HOW] [--nudge STEP]``, launched by ``python -m fastdist
 ft`` (or with the replica variables set); ``--plain``: one process of plain DDP with
-update_every 2 instead.
+update_every 2 instead; ``--fsdp``: ``FSDP(fault_tolerant=True)`` on a model of two layers
+(launched with ``--procs-per-group 2``: every rank of group KILL_GROUP dies; rank R > 0 writes
+``group<G>.attempt<A>.rank<R>.json[l]``, with its own shards beside the whole parameters).
 
 A linear model on 64 samples (batch 2 per group, 3 epochs) with ``DDP(fault_tolerant=True)``.
 Group KILL_GROUP SIGKILLs itself after update KILL_STEP (or its first later one, if it joined
 late) on its first attempt (torchrun starts it again). The others, once training alone after
-that update, take 0.5 s per update (else 0.05 s), so that they are still training when the
-killed group comes back. Every attempt
-appends its updates (step, epoch, participating groups, time) to
+that update, wait before their last 10 updates (90 s at most, recorded as ``waited``) for the
+killed group's restart (``OUT_DIR/restarted.<attempt>.*``; with ``--kill-healing`` for its
+first restart 10 updates earlier) and take 0.5 s per update from there while alone (else
+0.05 s), so that they are still training when it comes back. Every
+attempt appends its updates (step, epoch, participating groups, time) to
 ``OUT_DIR/group<G>.attempt<A>.jsonl`` as they commit, and writes ``...json`` at the end: per
 epoch the lost samples and the updates skipped so far, the final parameters. With
 ``--kill-healing`` its second attempt dies too, while it loads a peer's state (heals).
@@ -32,7 +36,8 @@ from workers.ending import exit_now
 import fastdist
 from fastdist import DistTrainer
 from fastdist.callbacks import Callback
-from fastdist.strategies import DDP
+from fastdist.distributed.dtensor import is_dtensor
+from fastdist.strategies import DDP, FSDP
 
 
 class Record(Callback):
@@ -44,11 +49,14 @@ class Record(Callback):
         self.kill_step, self.killer, self.log = kill_step, killer, log
         self.in_backward, self.heal_killer = in_backward, heal_killer
         self.nudge = 0  # change the model after this update (a bug on one group)
+        self.heal_killer_run = False  # the killed group dies again while it heals
+        self.waited = 0.0  # seconds the last update's callback waited for a restart
         self.epochs: dict[int, dict[str, int]] = {}
 
     def on_step_end(self) -> None:
         state, strategy = self.trainer.state, self.trainer.strategy
         update = {"step": state.global_step, "epoch": state.epoch, "t": time.time()}
+        update["waited"] = self.waited  # before this update, in the callback, not in training
         update["groups"] = strategy.torchft.manager.num_participants() if strategy.torchft else 1
         with open(self.log, "a") as log:  # what a killed attempt did stays
             log.write(json.dumps(update) + "\n")
@@ -57,7 +65,17 @@ class Record(Callback):
                 next(self.trainer.strategy.model.parameters()).add_(1.0)
         if self.killer and state.global_step >= self.kill_step and not self.in_backward:
             os.kill(os.getpid(), signal.SIGKILL)
+        # Alone near the end: stay for each restart of the killed group (the 10 updates after
+        # each leave it time to join; killed while healing, its first restart needs a peer).
+        final = 2 if self.heal_killer_run else 1
+        left = (state.total_steps or 0) - state.global_step
         alone = update["groups"] == 1 and state.global_step > self.kill_step > 0
+        alone = alone and left <= 10 * final
+        start = time.monotonic()
+        for restart in range(1, final + 1) if alone else ():
+            if left <= 10 * (final - restart + 1):
+                _wait_for(self.log.parent, f"restarted.{restart}.*")
+        self.waited = time.monotonic() - start
         time.sleep(0.5 if alone else 0.05)
 
     def on_backward_begin(self, loss: object) -> None:
@@ -98,6 +116,7 @@ def main() -> None:
     )
     parser.add_argument("--check-sync", type=int, default=0, help="check_sync_every")
     parser.add_argument("--nudge", type=int, default=0, help="group 1 changes its model then")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP(fault_tolerant=True)")
     parser.add_argument(
         "--odd-model",
         nargs=2,
@@ -108,22 +127,25 @@ def main() -> None:
     out = args.out
     group = int(os.environ.get("FASTDIST_REPLICA_GROUP", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank = int(os.environ.get("RANK", "0"))
     kill_group, kill_step = args.kill if args.kill and attempt == 0 else (-1, -1)
     fastdist.set_seed(0)
     x = torch.randn(64, 4)
     data = TensorDataset(x, x.sum(dim=1, keepdim=True))
-    model = _model(args.odd_model[1] if args.odd_model and int(args.odd_model[0]) == group else "")
-    name = f"group{group}.attempt{attempt}"
+    odd = args.odd_model[1] if args.odd_model and int(args.odd_model[0]) == group else ""
+    model = _model("deeper" if args.fsdp else odd)
+    name = f"group{group}.attempt{attempt}" + (f".rank{rank}" if rank else "")
     heal_killer = args.kill_healing and attempt == 1 and group == args.kill[0]
     log = out / f"{name}.jsonl"
     record = Record(kill_step, group == kill_group, log, args.in_backward, heal_killer)
     record.nudge = args.nudge if group == 1 else 0
+    record.heal_killer_run = args.kill_healing
     trainer = DistTrainer(
         train_data=data,
         model=model,
         loss=nn.MSELoss(),
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-        strategy=DDP(fault_tolerant=not args.plain),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.02 if args.fsdp else 0.05, momentum=0.9),
+        strategy=FSDP(fault_tolerant=True) if args.fsdp else DDP(fault_tolerant=not args.plain),
         callbacks_all=[record],
         batch_size_per_gpu=2,
         n_epochs=args.epochs,
@@ -133,6 +155,10 @@ def main() -> None:
         check_sync_every=args.check_sync,
         print_every=1000,
     )
+    if attempt == 0:
+        _all_ready(out)
+    else:  # a survivor's last updates wait for this
+        (out / f"restarted.{attempt}.{os.getpid()}").touch()
     start = time.time()
     result = trainer.train()
     (out / f"{name}.json").write_text(
@@ -142,14 +168,40 @@ def main() -> None:
                 "epochs": record.epochs,
                 "steps": result["steps"],
                 "skipped": trainer.state.skipped_steps,
-                "params": [p.tolist() for p in model.parameters()],
+                "params": [_full(p).tolist() for p in model.parameters()],
+                "shards": [
+                    (p.to_local() if is_dtensor(p) else p).tolist() for p in model.parameters()
+                ],
             }
         )
     )
 
 
+def _all_ready(out: Path) -> None:
+    """Wait until every process of every group has built its trainer, so that the groups'
+    first quorum holds them all (one may start seconds after another here)."""
+    (out / f"ready.{os.getpid()}").touch()
+    expected = int(os.environ.get("FASTDIST_REPLICA_GROUPS", "1"))
+    _wait_for(out, "ready.*", expected * int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def _wait_for(out: Path, pattern: str, count: int = 1, timeout: float = 90) -> None:
+    """Wait (``timeout`` seconds at most) until ``count`` files in ``out`` match ``pattern``."""
+    deadline = time.monotonic() + timeout
+    while len(list(out.glob(pattern))) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter (a collective of the group under FSDP)."""
+    return param.full_tensor() if is_dtensor(param) else param
+
+
 def _model(odd: str) -> nn.Module:
-    """The model: a linear one, or with ``odd`` one that differs in shapes or names."""
+    """The model: a linear one, or with ``odd`` one that differs in shapes or names, or one
+    of two layers (``deeper``: FSDP shards each over the group, the last one unevenly)."""
+    if odd == "deeper":
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     if odd == "wider":
         return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))
     if odd == "renamed":
