@@ -62,3 +62,30 @@ def test_a_loss_that_is_not_a_scalar_is_refused() -> None:
     tracker = LossTracker(torch.device("cpu"))
     with pytest.raises(ValueError, match=r"loss must return a scalar tensor .* got \(4,\)"):
         tracker.add(torch.ones(4))
+
+
+def test_a_pipeline_agrees_on_the_loss_kind_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a pipeline (``everywhere``) the first update's all-reduce agrees whether the loss
+    is ``(sum, count)``; a mean loss then costs no collective, and a later pair is refused."""
+    reduced: list[torch.Tensor] = []
+    monkeypatch.setattr(loss_tracker, "all_reduce_sum", lambda t, group: reduced.append(t) or t)
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    grad = model.weight.grad.clone()
+    tracker = LossTracker(torch.device("cpu"))
+    for _ in range(3):
+        tracker.add(torch.tensor(1.0), share=0.5, samples=4)
+        tracker.normalize(model, 1, None, everywhere=True)
+        tracker.end_window(applied=True)
+    assert len(reduced) == 1 and tracker.agreed is False
+    assert torch.equal(model.weight.grad, grad)  # a mean's gradients are already weighted
+    tracker.add((torch.tensor(3.0), 2))
+    with pytest.raises(ValueError, match="return one kind throughout"):
+        tracker.normalize(model, 1, None, everywhere=True)
+    counted = LossTracker(torch.device("cpu"))
+    for _ in range(2):  # a (sum, count) loss: its count reduced every update
+        counted.add((torch.tensor(3.0), 2))
+        counted.normalize(model, 1, None, everywhere=True)
+        counted.end_window(applied=True)
+    assert len(reduced) == 3 and counted.agreed is True
+    assert torch.allclose(model.weight.grad, grad / 4)  # divided by the count twice

@@ -365,8 +365,10 @@ class Checkpointer:
         if saved_in:
             raise ValueError(
                 f"checkpoint {path} holds {part.name!r} as a {saved_in[0]} state, but this run "
-                f"holds it {part.scope}: resume it under the strategy that wrote it (a sharded "
-                "checkpoint with strategy='fsdp', a full one with strategy='ddp')"
+                f"holds it {part.scope}: resume it under a strategy that writes it so (a "
+                "sharded checkpoint with strategy='fsdp' or Pipeline(stages=N, "
+                "stage_strategy=FSDP()), a full one with strategy='ddp', Pipeline(stages=N) or "
+                "one process)"
             )
         raise ValueError(
             f"checkpoint {path} holds no {part.name!r} state: it was not written by this "

@@ -266,10 +266,8 @@ class Pipeline(Strategy):
         """Every micro-batch of the update through the schedule's ``step``."""
         batches = list(update)
         schedule = self._schedule(batches, update)
-        for stage in self.stage_modules:
-            stage.model.train(self.model.training)
-            # Each micro-batch runs in its own mode (eval for a filler); losses in order.
-            stage.begin(batches, functools.partial(_run, update, stage))
+        for stage in self.stage_modules:  # a filler runs in eval mode; losses in order
+            stage.begin(batches, functools.partial(_run, update, stage), self.model.training)
         last = self.stage_modules[-1]  # the model's last stage, on the pipeline's last rank
         self._loss = lambda output, i: update.loss(last.output(i, output), batches[i])
         step(schedule, len(batches))

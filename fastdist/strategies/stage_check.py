@@ -25,7 +25,7 @@ def _stages(model: nn.Module, plan: StagePlan, batch: Any, run: Callable) -> lis
     modules.append(StageModule(model, whole, 0))
     for module in modules:
         module.eval()
-        module.begin([batch], run)
+        module.begin([batch], run, training=False)
     return modules
 
 

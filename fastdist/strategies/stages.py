@@ -237,9 +237,14 @@ class StageModule(nn.Module):
         self.hidden: torch.Tensor | None = None
         self.outputs: list[tuple[Any, list[Any]]] = []  # the last stage's, in pieces
 
-    def begin(self, batches: list[Any], run: Callable[[nn.Module, Any], Any]) -> None:
-        """The next forwards are those of ``batches``, each run as ``run(module, batch)``."""
+    def begin(
+        self, batches: list[Any], run: Callable[[nn.Module, Any], Any], training: bool
+    ) -> None:
+        """The next forwards are those of ``batches``, each run as ``run(module, batch)``, in
+        the model's mode (``training``; set only when it changed, as the loop sets the model's)."""
         self.batches, self.run, self.count, self.outputs = batches, run, 0, []
+        if self.model.training != training:
+            self.model.train(training)
 
     def forward(self, *received: torch.Tensor) -> Any:
         """The activation for the next stage; on the last stage, the tensors of the model's

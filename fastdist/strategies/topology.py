@@ -176,10 +176,16 @@ class Topology:
         caches its sharding decisions by mesh, and meshes of the same ranks compare equal
         whatever their process groups, so a later trainer's DTensors would otherwise be sent
         through a group torn down with an earlier trainer ("Could not resolve the process
-        group"). Its groups time out like the first trainer's."""
+        group"). Its groups time out like the first trainer's. Its slices are kept too: the
+        loop asks for one every update (a pipeline's stages), and a slice is a new mesh."""
         whole = _mesh(self.device_type, self.dims, self.sizes, self.timeout)
         dims = dims or self.dims
-        return whole if dims == self.dims else whole[dims]
+        if dims == self.dims:
+            return whole
+        key = (id(whole), dims)  # the whole mesh is kept for good: its id is never reused
+        if key not in _SLICES:
+            _SLICES[key] = whole[dims]
+        return _SLICES[key]
 
     def _unravel(self, rank: int) -> dict[str, int]:
         coords = {}
@@ -194,6 +200,8 @@ class Topology:
 
 #: The meshes made in this process, by device type and layout (see :meth:`Topology.mesh`).
 _MESHES: dict[tuple[str, tuple[str, ...], tuple[int, ...]], DeviceMesh] = {}
+#: Their slices, by the whole mesh and the dimensions sliced.
+_SLICES: dict[tuple[int, tuple[str, ...]], DeviceMesh] = {}
 
 
 def _mesh(

@@ -314,7 +314,7 @@ class Loop:
                 if left != 0
                 else " (nothing left to train: another save_path/checkpoint_dir starts afresh)",
             )
-            if moved:
+            if moved and world.rank == 0:
                 logger.warning(
                     "resuming a %d-process run on %d processes: the rest of the epoch is "
                     "sharded anew; global batch now %d",

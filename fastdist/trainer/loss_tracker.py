@@ -38,6 +38,7 @@ class LossTracker:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.counted = False  # the loss returns (sum, count)
+        self.agreed: bool | None = None  # whether it does, agreed by every rank (a pipeline's)
         self.window: list[torch.Tensor] = []  # micro-batch losses of the current update
         self.window_samples: list[int] = []  # their weights: samples (1 for a sum)
         self.window_count: Any = 0  # their counts (an int, or a tensor for (sum, count))
@@ -96,16 +97,26 @@ class LossTracker:
         the one-process gradient of the update's total loss over its total count, whatever the
         sizes of the ranks' batches (DDP's mean over the ``loss_ranks`` ranks that compute the
         loss is undone). ``everywhere``: ranks that compute no loss (a pipeline's first
-        stages) hold gradients too: every rank joins, and learns from it whether the loss
-        returns ``(sum, count)``.
+        stages) hold gradients too: at the first update every rank joins and learns whether
+        the loss returns ``(sum, count)``; after that a mean loss costs nothing here (no
+        collective, no host read), and one that turns into a ``(sum, count)`` pair is refused.
         """
+        if everywhere and self.agreed is False:
+            if self.counted:
+                raise ValueError(
+                    "the loss returned a (sum, count) pair after returning a mean at the first "
+                    "update, which a pipeline's stages agreed on: return one kind throughout"
+                )
+            return
         if not (self.counted or everywhere):
             return
         count = torch.as_tensor(self.window_count, device=self.device).detach().double()
         stats = torch.stack([torch.tensor(float(self.counted), device=self.device).double(), count])
         counted, total = all_reduce_sum(stats, group).unbind()
-        if everywhere and not counted.item():
-            return
+        if everywhere:
+            self.agreed = bool(counted.item())
+            if not self.agreed:
+                return
         factor = loss_ranks / total.clamp(min=1)
         for p in model.parameters():
             if p.grad is not None:
