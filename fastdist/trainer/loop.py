@@ -62,9 +62,12 @@ class Loop:
                     validate = run.validator.due_after_update(state.global_step)
                     ends_epoch = self.data.ends_pass(state.batch_idx + 1)  # saved below
                     save = run.checkpointer.due(state.global_step) and not ends_epoch
-                    if state.global_step % self.options.print_every == 0:
-                        # Read at once where on_step_end is followed by a sync point anyway.
-                        agreed = self.log_step(wait=validate or save or ends_epoch) or agreed
+                    every = self.options.print_every
+                    if state.global_step % every == 0:
+                        # Read at once where a sync point follows anyway (or, print_every=1,
+                        # where the next log step's loss could replace it unseen).
+                        wait = validate or save or ends_epoch or every == 1
+                        agreed = self.log_step(wait) or agreed
                     elif run.sync.check_due(state.global_step):  # log steps far apart
                         agreed = self.sync(signals_only=True)
                     callbacks.on_step_end()
@@ -171,7 +174,8 @@ class Loop:
         backward and optimizer step), at the epoch's end, or before any other sync point,
         whichever comes first. ``state.loss`` and the log line then come one update
         late, with their own step (``state.loss_step``); a stop or a NaN is acted on at that
-        next update, on every rank alike.
+        next update, on every rank alike. It is read at once (``wait``) where an evaluation,
+        a checkpoint or the epoch's end follows the update, and with ``print_every=1``.
         """
         state = self.state
         if self.world.rank == 0:
