@@ -167,16 +167,12 @@ class Loop:
         )
 
     def log_step(self, wait: bool) -> Agreement | None:
-        """Start the log step's all-reduce (the mean loss, the ranks' timings, the stop and
-        NaN flags); with ``wait`` read it now, else leave it to :meth:`settle`.
-
-        Read later, it costs no wait: the loop settles it after the next update (its forward,
-        backward and optimizer step), at the epoch's end, or before any other sync point,
-        whichever comes first. ``state.loss`` and the log line then come one update
-        late, with their own step (``state.loss_step``); a stop or a NaN is acted on at that
-        next update, on every rank alike. It is read at once (``wait``) where an evaluation,
-        a checkpoint or the epoch's end follows the update, and with ``print_every=1``.
-        """
+        """Start the log step's all-reduce (mean loss, timings, stop and NaN flags); read it
+        now (``wait``: an evaluation, a checkpoint or the epoch's end follows, or
+        ``print_every=1``), or leave it to :meth:`settle`: after the next update (no wait), at
+        the epoch's end or before any other sync point. ``state.loss`` and the log line then
+        come one update late, with their step (``state.loss_step``); a stop or a NaN is acted
+        on at that next update, on every rank alike."""
         state = self.state
         if self.world.rank == 0:
             self.progress.mark(state.global_step, self.run.optimizer.param_groups[0]["lr"])
