@@ -44,7 +44,11 @@ class TrainerState:
         is_filler: the current micro-batch is a filler: a rank whose shard gave one batch
             fewer repeats its last batch with loss weight 0 to stay in step (it trains
             nothing; sample-counting callbacks skip it).
-        loss: mean training loss over all ranks since the previous logging step.
+        loss: mean training loss over all ranks of the updates after the previous log step up
+            to ``loss_step``; it arrives one update after its log step (or at once where an
+            evaluation, a checkpoint or the epoch's end follows it): see
+            :meth:`~fastdist.trainer.loop.Loop.log_step`.
+        loss_step: the log step (update) ``loss`` belongs to.
         eval_result: the latest evaluation result, e.g. ``{"acc": 0.93}``.
         best_eval: the best evaluation result so far, with ``best_epoch`` and ``best_step``.
         stop_requested: set by :meth:`DistTrainer.request_stop`; agreed across ranks at the next
@@ -75,6 +79,7 @@ class TrainerState:
     is_update: bool = False
     is_filler: bool = False
     loss: float | None = None
+    loss_step: int | None = None
     eval_result: dict[str, float] | None = None
     best_eval: dict[str, float] | None = None
     best_epoch: int | None = None

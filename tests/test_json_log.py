@@ -166,6 +166,7 @@ def test_a_failing_run_is_recorded_and_closed(tmp_path: Path) -> None:
         make_trainer(callback, loss=loss).train()
     assert callback.logger.file is None
     records = read_records(tmp_path / "log.jsonl")
-    assert [r["kind"] for r in records] == ["start", "train", "train", "exception"]
+    # Log step 4's loss is read after update 5, which failed: it is not recorded.
+    assert [r["kind"] for r in records] == ["start", "train", "exception"]
     assert records[-1]["error"] == "RuntimeError: deliberate failure"
     assert records[-1]["step"] == 4

@@ -58,6 +58,23 @@ def test_a_nonfinite_loss_is_located_exactly_or_within_the_folded_range(
     assert tracker.pending()[1] == 7
 
 
+def test_taken_updates_are_read_apart_from_the_next_ones() -> None:
+    """A log step takes its updates; the next ones are pending while it is read, and a NaN
+    among the taken ones is still located (the other buffer fills meanwhile)."""
+    tracker = LossTracker(torch.device("cpu"))
+    tracker.reset(step=0)
+    _train(tracker, [1.0, float("nan"), 3.0])
+    taken = tracker.take(step=3)
+    _train(tracker, [5.0, 7.0])
+    assert torch.isnan(taken[0]) and taken[1] == 3
+    assert tracker.pending().tolist() == [12.0, 2.0]
+    assert tracker.first_nonfinite(taken=True) == (2, "update 2")
+    assert tracker.first_nonfinite() is None
+    assert tracker.take(step=5).tolist() == [12.0, 2.0]
+    assert tracker.first_nonfinite(taken=True) is None
+    assert tracker.pending().tolist() == [0.0, 0.0]
+
+
 def test_a_loss_that_is_not_a_scalar_is_refused() -> None:
     tracker = LossTracker(torch.device("cpu"))
     with pytest.raises(ValueError, match=r"loss must return a scalar tensor .* got \(4,\)"):

@@ -183,5 +183,6 @@ def test_warmup_by_fraction_needs_a_known_length() -> None:
 def test_log_line_of_an_unknown_length(caplog: pytest.LogCaptureFixture) -> None:
     progress = Progress(show=True, use_tqdm=False, total=None, initial=0, global_batch=8)
     with caplog.at_level(logging.INFO, logger="fastdist"):
-        progress.log(epoch=1, step=5, total=None, loss=0.5, lr=0.1)
+        progress.mark(5, lr=0.1)
+        progress.log(epoch=1, step=5, total=None, loss=0.5)
     assert "epoch 1 step 5/? loss 0.5000" in caplog.text

@@ -63,8 +63,9 @@ def test_log_jsonl_holds_every_ranks_figures_at_each_log_step(world: World) -> N
         for r in ranks:
             assert set(r) == PARTS
             assert min(r[p] for p in PARTS) >= 0
-    # The split accounts for the whole wall time per update between two log steps.
-    for before, record in zip(records, records[1:], strict=False):
+    # The split accounts for the whole wall time per update between two log steps. (Not up to
+    # the last, read at once: its log line is written between its split and its record.)
+    for before, record in zip(records, records[1:-1], strict=False):
         wall_ms = 1e3 * (record["time"] - before["time"]) / (record["step"] - before["step"])
         for r in record["ranks"]:
             split_ms = r["data_ms"] + r["compute_ms"] + r["collective_ms"]
@@ -149,6 +150,58 @@ def test_the_micro_batch_path_adds_almost_no_device_op_and_no_host_read(world: W
     extra_ops = (f_long[0] - f_short[0]) - (h_long[0] - h_short[0])
     assert extra_ops / ops["micro_batches"] <= 2, ops
     assert f_long[1] - f_short[1] == h_long[1] - h_short[1], ops  # no host read added
+
+
+LOG_UPDATES, LOG_EVERY = 12, 3  # per epoch (2 epochs), as in the worker's case_log_step
+
+
+def _loss_step_seen(update: int) -> int | None:
+    """The log step whose loss ``on_step_end`` of ``update`` sees: the one before it (read
+    one update late), or its own where it ends the epoch (read at once)."""
+    if update % LOG_EVERY == 0 and update % LOG_UPDATES == 0:
+        return update
+    return (update - 1) // LOG_EVERY * LOG_EVERY or None
+
+
+@pytest.mark.slow
+def test_the_log_step_is_read_an_update_late_with_the_same_values_and_steps(world: World) -> None:
+    data = world.ranks[0]["log_step"]
+    steps = list(range(LOG_EVERY, 2 * LOG_UPDATES + 1, LOG_EVERY))
+    per_rank = [{int(step): loss for step, loss in losses.items()} for losses in data["losses"]]
+    expected, previous = [], 0  # the mean over the ranks and updates since the last log step
+    for step in steps:
+        values = [losses[u] for losses in per_rank for u in range(previous + 1, step + 1)]
+        expected.append(sum(values) / len(values))
+        previous = step
+    lines = (world.out / "log_step" / "log.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if r["kind"] == "train"]
+    assert [r["step"] for r in records] == steps
+    assert [r["loss"] for r in records] == pytest.approx(expected, rel=1e-9)
+    assert [r["epoch"] for r in records] == [1] * 4 + [2] * 4
+    assert f"epoch 1 step 3/24 loss {expected[0]:.4f}" in world.result.output
+    for rank in world.ranks:
+        seen = rank["log_step"]["seen"]
+        assert seen == [[u, _loss_step_seen(u)] for u in range(1, 2 * LOG_UPDATES + 1)]
+
+
+@pytest.mark.slow
+def test_a_stop_or_a_nan_during_the_log_steps_read_reaches_every_rank(world: World) -> None:
+    """The last rank requests a stop in on_step_end of update 3, after log step 3's all-reduce
+    began (which says "no stop"): it is sent with the next sync (a signal check, timed, or
+    log step 6's, read at 7), and every rank stops at the same update. A NaN loss on the last
+    rank at update 5 is read at update 7, before that update's evaluation: every rank raises,
+    and no best model is written."""
+    last = world.size - 1
+    stopped = world.ranks[0]["log_step"]["stopped"]
+    assert 3 < stopped <= 7
+    assert f"stop requested; stopping at step {stopped}" in world.result.output
+    for rank in world.ranks:
+        data = rank["log_step"]
+        assert data["stopped"] == stopped
+        assert data["nan_error"].startswith(
+            f"non-finite loss by update 6, first at update 5 on rank {last}; "
+        ), data["nan_error"]
+        assert not [name for name in data["nan_files"] if name.startswith("best_")], data
 
 
 # ----- in-process: the timer, the report's logic, the arguments -----

@@ -217,13 +217,14 @@ def test_callback_order(world: World) -> None:
 
 
 def test_stop_requested_on_rank_zero_only(world: World) -> None:
-    """Rank 0 requests a stop at update 5; all ranks agree at the next print step (6)."""
+    """Rank 0 requests a stop at update 5; all ranks agree at the next print step (6), whose
+    all-reduce is read an update later: all stop after update 7."""
     runs = [data["stop"]["request"] for data in world.ranks]
     assert runs[0]["stop_at"] == 5
     result = _same_on_every_rank(world, [run["result"] for run in runs])
     end = _same_on_every_rank(world, [run["end"] for run in runs])
-    assert result["steps"] == end["global_step"] == 6  # print_every=3
-    assert end["micro_batches"] == 6 < end["total_steps"]
+    assert result["steps"] == end["global_step"] == 7  # print_every=3
+    assert end["micro_batches"] == 7 < end["total_steps"]
 
 
 def test_early_stop_callback(world: World) -> None:
@@ -242,7 +243,7 @@ def test_a_stop_is_logged_once(world: World) -> None:
     not again at the syncs after it (the end of training's)."""
     early = world.ranks[0]["stop"]["early_stop"]["result"]["steps"]
     stops = re.findall(r"stop requested; stopping at step (\d+)", world.result.output)
-    assert stops == ["6", str(early)], world.result.describe()
+    assert stops == ["7", str(early)], world.result.describe()
 
 
 @pytest.mark.parametrize("mode", ["file", "memory"])

@@ -38,6 +38,9 @@ class RunLogCallback(Callback):
     def on_step_end(self) -> None:
         self.log.step_end()
 
+    def on_epoch_end(self) -> None:
+        self.log.write_loss()  # e.g. a stream's last update's, agreed at the epoch's end
+
     def on_valid_begin(self) -> None:
         self.log.valid_begin()
 

@@ -28,10 +28,10 @@ import atexit
 import contextlib
 import datetime
 import faulthandler
+import functools
 import json
 import os
 import sys
-import sysconfig
 import threading
 import time
 import traceback
@@ -61,13 +61,21 @@ _COUNT, _ANSWER, _JOB = "fastdist/hang/count", "fastdist/hang/{}/{}", "fastdist/
 _REQUEST = "fastdist/hang/request/{}/{}"  # a request's number and the rank asked: "" or "stop"
 #: How long the exit waits for the watcher to stop.
 STOP_WAIT_S = 2.0
-_LIBRARY = tuple(
-    str(Path(p).resolve()) + os.sep
-    for p in (
-        str(Path(__file__).resolve().parents[1]),  # fastdist
-        *(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")),
+
+
+@functools.cache
+def _library() -> tuple[str, ...]:
+    """The folders of fastdist, the standard library and installed packages (found on first
+    use: ``sysconfig`` costs a millisecond of ``import fastdist``)."""
+    import sysconfig
+
+    return tuple(
+        str(Path(p).resolve()) + os.sep
+        for p in (
+            str(Path(__file__).resolve().parents[1]),  # fastdist
+            *(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")),
+        )
     )
-)
 
 
 class _Watch:
@@ -270,7 +278,7 @@ def last_collectives(recorded: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def is_library(filename: str) -> bool:
     """Whether ``filename`` is fastdist's, Python's or an installed package's, not the user's."""
-    return filename.startswith("<") or str(Path(filename).resolve()).startswith(_LIBRARY)
+    return filename.startswith("<") or str(Path(filename).resolve()).startswith(_library())
 
 
 def _flight_recorder() -> dict[str, Any]:

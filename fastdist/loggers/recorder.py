@@ -58,6 +58,8 @@ class RunLog:
         self._last_step = 0
         self._eval_seconds = 0.0
         self._valid_start: float | None = None
+        self._marked: dict[int, tuple[float, float]] = {}  # log step -> its time, its rate
+        self._written: int | None = None  # the loss_step of the last "train" record
 
     def begin(self, trainer: LoggedTrainer) -> None:
         """Training begins: open the backends, write the ``"start"`` record."""
@@ -69,6 +71,7 @@ class RunLog:
         ]
         self._start = self._last_time = time.monotonic()
         self._last_step, self._eval_seconds, self._valid_start = state.global_step, 0.0, None
+        self._marked, self._written = {}, state.loss_step
         self._emit(
             "start",
             start_time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -81,27 +84,46 @@ class RunLog:
         )
 
     def step_end(self) -> None:
-        """After an update: a ``"train"`` record on a log step (the loss was just reduced)."""
+        """After an update: note a log step's time and rate; write a fresh loss."""
         if self.trainer is None:
             return
         state = self.trainer.state
-        if state.global_step % self.trainer.options.print_every or state.loss is None:
+        if state.global_step % self.trainer.options.print_every == 0:
+            lr = float(self.trainer.optimizer.param_groups[0]["lr"])
+            self._marked[state.global_step] = time.monotonic(), lr
+        self.write_loss()
+
+    def write_loss(self) -> None:
+        """A ``"train"`` record of the loss agreed last, unless written: as of its log step,
+        whose time and rate :meth:`step_end` noted (the loss may come an update later, see
+        :meth:`~fastdist.trainer.loop.Loop.log_step`). Called before anything else is written."""
+        trainer = self.trainer
+        if trainer is None:
             return
-        now = time.monotonic()
-        seconds = now - self._last_time - self._eval_seconds
-        samples = self.trainer.global_batch * (state.global_step - self._last_step)
-        self._last_time, self._last_step, self._eval_seconds = now, state.global_step, 0.0
+        state, step = trainer.state, trainer.state.loss_step
+        if state.loss is None or step is None or step == self._written:
+            return
+        self._written = step
+        lr_now = float(trainer.optimizer.param_groups[0]["lr"])
+        then, lr = self._marked.pop(step, (time.monotonic(), lr_now))
+        self._marked = {s: mark for s, mark in self._marked.items() if s > step}
+        seconds = then - self._last_time - self._eval_seconds
+        samples = trainer.global_batch * (step - self._last_step)
+        self._last_time, self._last_step, self._eval_seconds = then, step, 0.0
         self._emit(
             "train",
+            step=step,
+            time=then - self._start,
             loss=state.loss,
-            lr=float(self.trainer.optimizer.param_groups[0]["lr"]),
+            lr=lr,
             samples_per_s=samples / seconds if seconds > 0 else None,
-            memory_mb=peak_memory_mb(self.trainer.device),
+            memory_mb=peak_memory_mb(trainer.device),
             ranks=state.rank_times,
         )
 
     def valid_begin(self) -> None:
         """An evaluation begins: its time is left out of the throughput."""
+        self.write_loss()
         self._valid_start = time.monotonic()
 
     def valid_end(self, eval_result: dict[str, float], is_better: bool) -> None:
@@ -115,6 +137,7 @@ class RunLog:
 
     def end(self) -> None:
         """Training ended: the ``"end"`` record (the best result), then close."""
+        self.write_loss()
         if self.trainer is not None:
             state = self.trainer.state
             self._emit(

@@ -56,20 +56,29 @@ class Loop:
                 # Per micro-batch: on_batch_begin, on_loss_begin, on_backward_begin,
                 # on_backward_end and, but for the last, on_batch_end (see Update).
                 self.strategy.forward_backward(update)
-                if self._optimizer_step():
-                    if state.global_step % self.options.print_every == 0:
-                        agreed = self.sync(read_loss=True)  # on_step_end sees the fresh loss
+                applied = self._optimizer_step()
+                agreed = self.settle() or agreed  # the last log step's, read after compute
+                if applied:
+                    validate = run.validator.due_after_update(state.global_step)
+                    ends_epoch = self.data.ends_pass(state.batch_idx + 1)  # saved below
+                    save = run.checkpointer.due(state.global_step) and not ends_epoch
+                    every = self.options.print_every
+                    if state.global_step % every == 0:
+                        # Read at once where a sync point follows anyway (or, print_every=1,
+                        # where the next log step's loss could replace it unseen).
+                        wait = validate or save or ends_epoch or every == 1
+                        agreed = self.log_step(wait) or agreed
                     elif run.sync.check_due(state.global_step):  # log steps far apart
                         agreed = self.sync(signals_only=True)
                     callbacks.on_step_end()
-                    if run.validator.due_after_update(state.global_step):
+                    if validate:
                         agreed = self._validate()
-                    ends_epoch = self.data.ends_pass(state.batch_idx + 1)  # saved below
-                    if run.checkpointer.due(state.global_step) and not ends_epoch:
+                    if save:
                         agreed = self._save_checkpoint() or agreed
                 callbacks.on_batch_end()
                 if agreed.stop:
                     break
+            agreed = self.settle() or agreed  # e.g. a stream's last update's log step
             if state.lost_samples:  # replica groups failed (DDP(fault_tolerant=True))
                 logger.warning("epoch %d: %d samples lost", epoch, state.lost_samples)
             if not agreed.stop:  # the epoch ran to its end
@@ -122,22 +131,13 @@ class Loop:
         # With fp16 the gradient scaler handles overflow itself, skipping such steps.
         skip = self.options.on_nonfinite == "skip" and self.precision.scaler is None
         stages = self.world.topology.stage_group  # a pipeline's stages judge together
-        ahead = False
         if skip and not all_finite((p.grad for p in self.model.parameters()), stages):
             self._warn_skipped()
             applied = False
         else:
-            # An update nothing can skip: its log step's all-reduce overlaps the step.
-            step = state.global_step + 1
-            ahead = not skip and self.precision.scaler is None
-            ahead = ahead and step % self.options.print_every == 0
-            if ahead:
-                self.losses.end_window(True)
-                self.run.sync.start(step, state.stop_requested)
             applied = self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
-        if not ahead:
-            self.losses.end_window(applied)
+        self.losses.end_window(applied)
         # The position moves past a skipped update too: a peer that heals from this state
         # (torchft) must start at the next update, as this rank does.
         state.samples_in_epoch, state.batches_in_epoch = self.data.position(state.batch_idx + 1)
@@ -166,26 +166,47 @@ class Loop:
             culprits,
         )
 
-    def sync(
-        self, read_loss: bool = False, check_model: bool = False, signals_only: bool = False
-    ) -> Agreement:
-        """A sync point (see :mod:`fastdist.trainer.sync`; ``signals_only``: a signal check);
-        record what it returns: the mean loss (logged), the ranks' timings, the stop."""
+    def log_step(self, wait: bool) -> Agreement | None:
+        """Start the log step's all-reduce (mean loss, timings, stop and NaN flags); read it
+        now (``wait``: an evaluation, a checkpoint or the epoch's end follows, or
+        ``print_every=1``), or leave it to :meth:`settle`: after the next update (no wait), at
+        the epoch's end or before any other sync point. ``state.loss`` and the log line then
+        come one update late, with their step (``state.loss_step``); a stop or a NaN is acted
+        on at that next update, on every rank alike."""
+        state = self.state
+        if self.world.rank == 0:
+            self.progress.mark(state.global_step, self.run.optimizer.param_groups[0]["lr"])
+        self.run.sync.start(state.global_step, state.stop_requested)
+        return self.settle() if wait else None
+
+    def settle(self) -> Agreement | None:
+        """Read and record the log step's all-reduce under way, if any."""
+        return self._record(self.run.sync.finish()) if self.run.sync.started else None
+
+    def sync(self, check_model: bool = False, signals_only: bool = False) -> Agreement:
+        """A sync point (see :mod:`fastdist.trainer.sync`; ``signals_only``: a signal check),
+        after the log step's under way; record what it returns."""
         state, sync = self.state, self.run.sync
+        self.settle()
         if signals_only:
             agreed = sync.check(state.global_step, state.stop_requested)
         else:
-            agreed = sync.agree(state.global_step, state.stop_requested, read_loss, check_model)
+            agreed = sync.agree(state.global_step, state.stop_requested, check_model)
+        return self._record(agreed)
+
+    def _record(self, agreed: Agreement) -> Agreement:
+        """Record an agreement: the mean loss (logged), the ranks' timings, the stop."""
+        state = self.state
         if agreed.rank_times is not None:
             times, updates = agreed.rank_times
             state.rank_times = [t.as_dict() for t in times]
-            self.run.slow_ranks.observe(times, updates, state.global_step)
+            self.run.slow_ranks.observe(times, updates, agreed.step)
         if agreed.loss is not None:
-            state.loss = agreed.loss
+            state.loss, state.loss_step = agreed.loss, agreed.step
             if self.world.rank == 0:
-                lr = self.run.optimizer.param_groups[0]["lr"]
-                self.progress.log(state.epoch, state.global_step, state.total_steps, state.loss, lr)
-        state.stop_requested = agreed.stop_requested
+                self.progress.log(state.epoch, agreed.step, state.total_steps, state.loss)
+        # A stop requested since the all-reduce started is sent at the next one.
+        state.stop_requested = agreed.stop_requested or state.stop_requested
         if agreed.preempted:
             self.run.sigterm.settle()  # every rank is here: the checkpoint may take its time
         if agreed.stop and not self.stop_logged:

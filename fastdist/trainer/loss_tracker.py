@@ -4,7 +4,8 @@ Each micro-batch's loss is kept as a detached tensor, and its weight (its sample
 number. Only every :data:`CHUNK` micro-batches, or when a sync point (log step, evaluation,
 checkpoint, end of training) reads them, are they weighted and summed per update, in a few
 device ops, into a preallocated buffer; the buffer is reduced only at a sync point: the only
-places where the trainer reads values.
+places where the trainer reads values. A log step takes the pending updates (:meth:`take`)
+and may read their sum later, while the next updates fill the other of two buffers.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ class LossTracker:
         self.folded: torch.Tensor | None = None  # sum of the first ``n_folded`` of them
         self.n_folded = 0
         self.since_step = 0  # the optimizer step the pending updates follow
+        # The updates :meth:`take` read last, as :meth:`first_nonfinite` looks them up: their
+        # buffer (the other one now fills), how many, the folded sum, how many in it, and the
+        # step they follow.
+        spare = torch.zeros_like(self.buffer)
+        self.taken: tuple[torch.Tensor, int, torch.Tensor | None, int, int] = (spare, 0, None, 0, 0)
 
     def add(self, result: Any, share: float = 1.0, samples: int = 1) -> torch.Tensor:
         """Record one micro-batch's loss function result; return the loss to backpropagate.
@@ -142,17 +148,33 @@ class LossTracker:
         count = torch.as_tensor(self.count, dtype=torch.float64, device=self.device)
         return torch.stack([loss, count.reshape(())])
 
-    def first_nonfinite(self) -> tuple[int, str] | None:
-        """The step of the first pending update with a NaN/Inf loss on this rank, and words for
-        it (a range if it was folded); ``None`` if all were finite. Reads the device.
+    def take(self, step: int) -> torch.Tensor:
+        """:meth:`pending`, then forget those updates (read at optimizer step ``step``): the
+        updates after it are pending next, while the taken ones may still be looked up."""
+        stats = self.pending()
+        spare = self.taken[0]  # the buffer taken before: its updates were read
+        self.taken = self.buffer, self.n_buffered, self.folded, self.n_folded, self.since_step
+        self.buffer = spare
+        self.reset(step)
+        return stats
+
+    def first_nonfinite(self, taken: bool = False) -> tuple[int, str] | None:
+        """The step of the first pending (``taken``: last taken) update with a NaN/Inf loss on
+        this rank, and words for it (a range if it was folded); ``None`` if all were finite.
+        Reads the device.
         """
         self._store()
-        first = self.since_step + 1
-        if self.folded is not None and not torch.isfinite(self.folded):
-            return first, f"one of updates {first}-{first + self.n_folded - 1}"
-        finite = torch.isfinite(self.buffer[: self.n_buffered]).tolist()
+        buffer, n_buffered, folded, n_folded, since_step = (
+            self.taken
+            if taken
+            else (self.buffer, self.n_buffered, self.folded, self.n_folded, self.since_step)
+        )
+        first = since_step + 1
+        if folded is not None and not torch.isfinite(folded):
+            return first, f"one of updates {first}-{first + n_folded - 1}"
+        finite = torch.isfinite(buffer[:n_buffered]).tolist()
         if False in finite:
-            step = first + self.n_folded + finite.index(False)
+            step = first + n_folded + finite.index(False)
             return step, f"update {step}"
         return None
 

@@ -25,15 +25,22 @@ class Progress:
         if show and use_tqdm and sys.stderr.isatty():
             self.bar = tqdm(total=total, initial=initial, unit="update", dynamic_ncols=True)
         self._time, self._step = time.monotonic(), initial
+        self._marked: dict[int, tuple[float, float]] = {}  # log step -> its time, its rate
 
     def update(self) -> None:
         """One optimizer update done."""
         if self.bar is not None:
             self.bar.update()
 
-    def log(self, epoch: int, step: int, total: int | None, loss: float, lr: float) -> None:
-        """Show the mean loss since the previous log step, the rate and the throughput."""
-        now = time.monotonic()
+    def mark(self, step: int, lr: float) -> None:
+        """Log step ``step`` is done now, at learning rate ``lr``; its loss comes later."""
+        self._marked[step] = time.monotonic(), lr
+
+    def log(self, epoch: int, step: int, total: int | None, loss: float) -> None:
+        """Show the mean loss of marked log step ``step``, its rate and the throughput since
+        the previous one."""
+        now, lr = self._marked.pop(step)
+        self._marked = {s: mark for s, mark in self._marked.items() if s > step}
         seconds, steps = now - self._time, step - self._step
         samples_per_s = self.global_batch * steps / seconds if seconds > 0 else 0.0
         self._time, self._step = now, step

@@ -8,6 +8,10 @@ check and its time split (see :mod:`fastdist.trainer.timing`); one all-reduce of
 than :data:`~fastdist.trainer.preemption.CHECK_S` seconds, a signal check agrees on the flags
 alone (4 numbers), so that a pre-emption is acted on within seconds.
 
+A log step's all-reduce is started (:meth:`Sync.start`) and read later (:meth:`Sync.finish`):
+the loop reads it after the next update's forward and backward, so that no rank waits for it
+(see :meth:`fastdist.trainer.loop.Loop.log_step`); every other sync point waits at once.
+
 The caller acts on the returned :class:`Agreement`; nothing is set behind its
 back, and nothing agreed here is ever checkpointed.
 """
@@ -46,6 +50,7 @@ class Agreement:
             updates, and how many updates it covers; ``None`` if none ran.
         requeue: some rank got the requeue signal of a SLURM job (after the checkpoint, the
             job requeues itself).
+        step: the update it was made at: ``loss`` covers the updates up to it.
     """
 
     stop_requested: bool
@@ -53,6 +58,7 @@ class Agreement:
     loss: float | None
     rank_times: tuple[list[RankTime], int] | None
     requeue: bool = False
+    step: int = 0
 
     @property
     def stop(self) -> bool:
@@ -88,54 +94,66 @@ class Sync:
         self.raise_nonfinite = raise_nonfinite
         self.sigterm, self.board = sigterm, board
         self.device, self.group = device, group
-        self._started: Callable[[], torch.Tensor] | None = None  # the log step's, begun
+        # The log step's all-reduce under way: its update and the wait for it.
+        self._started: tuple[int, Callable[[], torch.Tensor]] | None = None
 
-    def agree(
-        self, step: int, stop_requested: bool, read_loss: bool, check_model: bool
+    def agree(self, step: int, stop_requested: bool, check_model: bool) -> Agreement:
+        """One all-reduce at update ``step``, waited for (nothing may be :attr:`started`); the
+        pending losses are checked, not read. Raises ``FloatingPointError`` on every rank if
+        some rank's loss since the last read was NaN/Inf (``raise_nonfinite``) or, with
+        ``check_model``, some rank's parameters are."""
+        params = self.model.parameters()
+        bad_model = check_model and not all_finite(p.detach() for p in params)
+        wait = self._start(step, stop_requested, bad_model, take=False)
+        return self._read(step, wait, taken=False, bad_model=bad_model)
+
+    @property
+    def started(self) -> bool:
+        """Whether a log step's all-reduce is under way (:meth:`finish` reads it)."""
+        return self._started is not None
+
+    def start(self, step: int, stop_requested: bool) -> None:
+        """Start the log step's all-reduce at update ``step``, taking the pending losses (the
+        next updates' are pending next); do not wait for it."""
+        self._started = step, self._start(step, stop_requested, bad_model=False, take=True)
+        self.board.move(phase="train")
+
+    def finish(self) -> Agreement:
+        """Wait for the all-reduce :meth:`start` began and read it, losses included (raises as
+        :meth:`agree` does)."""
+        assert self._started is not None, "finish() without start()"
+        (step, wait), self._started = self._started, None
+        return self._read(step, wait, taken=True, bad_model=False)
+
+    def _read(
+        self, step: int, wait: Callable[[], torch.Tensor], taken: bool, bad_model: bool
     ) -> Agreement:
-        """One all-reduce at update ``step`` (the one :meth:`start` began, if any). Raises
-        ``FloatingPointError`` on every rank if some rank's loss since the last read was
-        NaN/Inf (``raise_nonfinite``) or, with ``check_model``, some rank's parameters are.
-        With ``read_loss`` the pending losses are read (and forgotten)."""
-        started, self._started = self._started, None
-        bad_model = False
-        if started is None:
-            params = self.model.parameters()
-            bad_model = check_model and not all_finite(p.detach() for p in params)
-            started = self._start(step, stop_requested, bad_model)
         with self.timer.collective_wait():
-            reduced = started().tolist()
+            reduced = wait().tolist()
         loss_sum, count, stop, preempted, requeue, next_check, bad_models = reduced[:7]
         self.sigterm.checks.agreed(next_check)
         self.board.move(phase="train")
         if bad_models or (self.raise_nonfinite and not math.isfinite(loss_sum)):
-            self._raise_nonfinite(bad_model, step)
-        loss = None
-        if read_loss and count:
-            loss = loss_sum / count
-            self.losses.reset(step)
+            self._raise_nonfinite(bad_model, step, taken)
         return Agreement(
             stop_requested=stop > 0,
             preempted=preempted > 0,
             requeue=requeue > 0,
-            loss=loss,
+            loss=loss_sum / count if taken and count else None,
             rank_times=self.timer.received(reduced[7:]),
+            step=step,
         )
 
-    def start(self, step: int, stop_requested: bool) -> None:
-        """Start the all-reduce of the log step at update ``step`` before the update's optimizer
-        step, which it overlaps; :meth:`agree` at that step, next, waits for it."""
-        self._started = self._start(step, stop_requested, bad_model=False)
-
     def _start(
-        self, step: int, stop_requested: bool, bad_model: bool
+        self, step: int, stop_requested: bool, bad_model: bool, take: bool
     ) -> Callable[[], torch.Tensor]:
         self.board.publish(step=step, phase="sync")
         flags = self._flags(step, stop_requested) + [float(bad_model)]
         numbers = torch.tensor(
             flags + self.timer.payload(), dtype=torch.float64, device=self.device
         )
-        stats = torch.cat([self.losses.pending(), numbers])
+        losses = self.losses.take(step) if take else self.losses.pending()
+        stats = torch.cat([losses, numbers])
         return start_all_reduce_sum(stats, self.group)
 
     def check_due(self, step: int) -> bool:
@@ -159,6 +177,7 @@ class Sync:
             requeue=requeue > 0,
             loss=None,
             rank_times=None,
+            step=step,
         )
 
     def _flags(self, step: int, stop_requested: bool) -> list[float]:
@@ -167,7 +186,7 @@ class Sync:
         flags = [float(stop_requested), float(sigterm.received), float(sigterm.requeue)]
         return flags + [sigterm.checks.proposal(step, self.board.rank)]
 
-    def _raise_nonfinite(self, bad_model: bool, step: int) -> NoReturn:
+    def _raise_nonfinite(self, bad_model: bool, step: int, taken: bool) -> NoReturn:
         """Raise on every rank (all are here, agreed), naming who saw what where."""
         models = failing_ranks(True if bad_model else None, self.group)
         if models:
@@ -176,7 +195,7 @@ class Sync:
                 "a non-finite gradient was applied (lower the learning rate, clip gradients, "
                 "or use on_nonfinite='skip')"
             )
-        losses = failing_ranks(self.losses.first_nonfinite(), self.group)
+        losses = failing_ranks(self.losses.first_nonfinite(taken), self.group)
         rank, (_, where) = min(losses.items(), key=lambda item: item[1][0])
         raise FloatingPointError(
             f"non-finite loss by update {step}, first at {where} on rank {rank}; ranks with a "

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import statistics
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -272,6 +271,8 @@ def find_slow(times: list[RankTime], threshold: float, judge_compute: bool = Tru
         >>> find_slow([RankTime(0, 0.001, 0.007, 0.03), RankTime(1, 0.031, 0.007, 0.0)], 0.1)
         [Slow(rank=1, excess=0.652..., cause='data loading', part=0.031, update=0.038)]
     """
+    import statistics  # at log steps only (it costs 2 ms of ``import fastdist``)
+
     median = statistics.median(t.update for t in times)
     median_data = statistics.median(t.data for t in times)
     median_compute = statistics.median(t.compute for t in times)
@@ -378,6 +379,8 @@ class SlowRankReport:
                 ),
             )
             return
+        import statistics
+
         median = statistics.median(t.update for t in times)
         logger.info(
             "no rank more than %.0f%% slower than the median over %s (median update time %.1f ms)",

@@ -75,9 +75,9 @@ class LoggedLoss(Callback):
         self.losses: dict[int, float] = {}
 
     def on_step_end(self) -> None:
-        state = self.trainer.state
-        if state.global_step % self.trainer.options.print_every == 0:
-            self.losses[state.global_step] = state.loss
+        state = self.trainer.state  # a log step's loss comes an update late, with its step
+        if state.loss is not None and state.loss_step is not None:
+            self.losses[state.loss_step] = state.loss
 
 
 class SaveAtEnd(Callback):

@@ -7,7 +7,10 @@ Usage (under torchrun or as a plain process)::
 Case ``slow``: rank 1's ``collate_fn`` sleeps 30 ms per micro-batch; 12 updates with
 ``print_every=2`` and ``save_path=OUT_DIR/slow`` (so ``OUT_DIR/slow/log.jsonl``), counting the
 all-reduces. Case ``profile``: ``ProfilerCallback`` in ``callbacks_all`` writes its traces to
-``OUT_DIR/profile``. Each rank writes what it saw to ``OUT_DIR/rank<R>.json``.
+``OUT_DIR/profile``. Case ``log_step``: the log step's agreement read one update late: the
+logged losses and steps (``OUT_DIR/log_step/log.jsonl``), a stop requested by the last rank,
+a NaN on the last rank before an evaluation. Each rank writes what it saw to
+``OUT_DIR/rank<R>.json``.
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_collate
-from trainer_worker import BATCH, CommCounter, make_trainer, warnings_logged
+from trainer_worker import BATCH, CommCounter, ToyData, ToyNet, make_trainer, warnings_logged
 from workers.ending import exit_now
 
-from fastdist import DistTrainer
-from fastdist.callbacks import ProfilerCallback
-from fastdist.distributed import get_rank, get_world_size
+from fastdist import AccuracyMetric, DistTrainer
+from fastdist.callbacks import Callback, ProfilerCallback
+from fastdist.distributed import all_gather_object, get_rank, get_world_size
 
 SLEEP_S = 0.03
 UPDATES, PRINT_EVERY = 12, 2
@@ -91,6 +94,76 @@ def case_profile(out: Path) -> dict[str, Any]:
     trainer = make_trainer(6 * BATCH * get_world_size(), callbacks_all=[profiler])
     trainer.train()
     return {"trace": profiler.trace_path, "open": profiler.profiler is not None}
+
+
+LOG_UPDATES, LOG_EVERY = 12, 3  # per epoch, as in tests/test_timing.py
+
+
+class Seen(Callback):
+    """Each update's loss (read on the host: a test), the ``(global_step, loss_step)`` each
+    ``on_step_end`` sees; the last rank requests a stop in ``on_step_end`` of ``stop_at``."""
+
+    def __init__(self, stop_at: int = 0) -> None:
+        self.stop_at = stop_at
+        self.losses: dict[int, float] = {}
+        self.seen: list[tuple[int, int | None]] = []
+
+    def on_backward_begin(self, loss: Any) -> None:
+        self.losses[self.trainer.state.global_step + 1] = loss.item()
+
+    def on_step_end(self) -> None:
+        state = self.trainer.state
+        self.seen.append((state.global_step, state.loss_step))
+        if state.global_step == self.stop_at and get_rank() == get_world_size() - 1:
+            self.trainer.request_stop()
+
+
+class NaNNet(ToyNet):
+    """The last rank's training forward number ``at`` returns NaN."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        self.calls += self.training
+        last = get_rank() == get_world_size() - 1
+        return out * float("nan") if last and self.training and self.calls == self.at else out
+
+
+def case_log_step(out: Path) -> dict[str, Any]:
+    """The log step's agreement, read one update late: the logged values and steps, a stop
+    requested while one is under way, a NaN before an evaluation (last: it raises)."""
+    n = LOG_UPDATES * BATCH * get_world_size()
+    seen = Seen()
+    logged = make_trainer(
+        n, n_epochs=2, print_every=LOG_EVERY, callbacks_all=[seen], save_path=str(out / "log_step")
+    )
+    logged.train()
+    stop = Seen(stop_at=LOG_EVERY)  # requested after log step 3 began: sent with step 6's
+    stopped = make_trainer(n, print_every=LOG_EVERY, callbacks_all=[stop]).train()["steps"]
+    nan = make_trainer(
+        n,
+        NaNNet(at=5),
+        print_every=LOG_EVERY,
+        dev_data=ToyData(16),
+        metrics=AccuracyMetric(),
+        validate_every=7,
+        save_path=str(out / f"nan{get_rank()}"),
+    )
+    try:
+        nan.train()
+        error = ""
+    except FloatingPointError as exc:
+        error = str(exc)
+    return {
+        "losses": all_gather_object(seen.losses),
+        "seen": seen.seen,
+        "stopped": stopped,
+        "nan_error": error,
+        "nan_files": sorted(p.name for p in (out / f"nan{get_rank()}").iterdir()),
+    }
 
 
 class OpCounter(TorchDispatchMode):
@@ -175,6 +248,7 @@ def main() -> None:
     results = {"slow": case_slow(out), "profile": case_profile(out), "ops": case_ops()}
     if get_world_size() > 1:
         results.update(fsdp=case_fsdp(out), healthy=case_healthy())
+    results["log_step"] = case_log_step(out)  # last: its NaN run raises
     (out / f"rank{get_rank()}.json").write_text(json.dumps(results))
 
 

@@ -514,12 +514,13 @@ def case_best(out: Path) -> dict[str, Any]:
 
 def case_fitlog(out: Path) -> dict[str, Any]:
     """FitlogCallback in callbacks_master, logging every update; the reduced losses as seen."""
-    losses: list[tuple[int, float | None]] = []
+    losses: dict[int, float] = {}  # by the step they belong to (read an update late)
     evals: list[dict[str, float]] = []
 
     def record_loss(trainer: DistTrainer) -> None:
-        if trainer.state.is_update:
-            losses.append((trainer.state.global_step, trainer.state.loss))
+        state = trainer.state
+        if state.loss is not None and state.loss_step is not None:
+            losses[state.loss_step] = state.loss
 
     fitlog = FitlogCallback(log_dir=str(out / f"fitlog-rank{get_rank()}"))
     trainer = make_trainer(
@@ -537,7 +538,7 @@ def case_fitlog(out: Path) -> dict[str, Any]:
     trainer.train()
     test_result = trainer.evaluate(ToyData(12, seed=2))  # on every rank: a collective
     fitlog.log_test(test_result)  # only rank 0, where the callback ran, writes
-    return {"losses": losses, "evals": evals, "test": test_result}
+    return {"losses": list(losses.items()), "evals": evals, "test": test_result}
 
 
 class Numbers(torch.utils.data.IterableDataset):
