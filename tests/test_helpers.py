@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from launch import Result, free_port, run_python, run_torchrun
+from launch import Result, _checked, free_port, run_python, run_torchrun
 
 from fastdist.distributed import (
     all_gather_object,
@@ -129,15 +129,17 @@ def test_logger(world: World) -> None:
 
 @pytest.mark.slow
 def test_run_torchrun_reports_a_failing_rank(tmp_path: Path) -> None:
-    args = ["fail", str(tmp_path)]
-    with pytest.raises(AssertionError) as info:
-        run_torchrun(WORKER, 2, args)
-    message = str(info.value)
-    assert "deliberate-failure-on-rank-1" in message
-    assert "fail-case-rank-0-started" in message, "every rank's output is shown"
-    result = run_torchrun(WORKER, 2, args, check=False)
+    """One launch: with ``check=False`` the failed result; the check ``check=True`` makes
+    of it (run_torchrun returns ``_checked(result, check)``) raises showing every rank."""
+    result = run_torchrun(WORKER, 2, ["fail", str(tmp_path)], check=False)
     assert result.returncode != 0
     assert "deliberate-failure-on-rank-1" in result.stderr
+    with pytest.raises(AssertionError) as info:
+        _checked(result, check=True)
+    message = str(info.value)
+    assert message.startswith("launch failed\n") and result.describe() in message
+    assert "deliberate-failure-on-rank-1" in message
+    assert "fail-case-rank-0-started" in message, "every rank's output is shown"
 
 
 @pytest.mark.slow
@@ -148,7 +150,8 @@ def test_run_python_reports_failure(tmp_path: Path) -> None:
     assert "deliberate-failure-on-rank-0" in result.stderr
     assert result.output == result.stdout + result.stderr
     with pytest.raises(AssertionError, match="deliberate-failure-on-rank-0"):
-        run_python(WORKER, ["fail", str(tmp_path)])
+        _checked(result, check=True)  # what run_python(check=True) returns
+    assert _checked(result, check=False) is result
 
 
 def _alive(pid: int) -> bool:

@@ -1,7 +1,8 @@
 """Faults a distributed job must turn into clear errors: ``fault_worker.py CASE OUT_DIR``.
 
 Each case trains a tiny model on 2 ranks with ``timeout=TIMEOUT`` and injects one fault; rank
-results (when a rank survives) go to ``OUT_DIR/rank<r>.json``.
+results (when a rank survives) go to ``OUT_DIR/rank<r>.json``. ``CASE`` may name several cases
+that end well, comma-separated: they run in turn, each into ``OUT_DIR/<case>``.
 """
 
 from __future__ import annotations
@@ -173,5 +174,9 @@ def main(case: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    cases, out = sys.argv[1].split(","), Path(sys.argv[2])
+    for case in cases:
+        if len(cases) > 1:
+            (out / case).mkdir(exist_ok=True)
+        main(case, out if len(cases) == 1 else out / case)
     exit_now()
