@@ -394,36 +394,38 @@ def test_checkpoint_files_are_judged_alike_on_every_rank(straight: Path, tmp_pat
 def test_sigterm_preempts_with_a_checkpoint_and_resumes_exactly(
     straight: Path, tmp_path: Path, config: str, sigterm_rank: str, again: bool
 ) -> None:
-    """SIGTERM after update 3 (print_every=2): the ranks agree at update 4, say so once, rank 0
-    writes a checkpoint there, rank 1 logs what rank 0 wrote (after the write: it learns it from
-    rank 0), and every rank exits with 143; the same command then completes."""
+    """SIGTERM after update 3 (print_every=2): the flag rides log step 4's all-reduce, read
+    after update 5 (the log step overlaps the next update), so the ranks stop at update 5, say
+    so once, rank 0 writes a checkpoint there, rank 1 logs what rank 0 wrote (after the write:
+    it learns it from rank 0), and every rank exits with 143; the same command then completes."""
+    stop = 5
     sigterm = ["--sigterm-at", "3", "--sigterm-rank", sigterm_rank, "--checkpoint-every", "0"]
     first = launch(tmp_path, config, "first", *sigterm, *(["--sigterm-again"] * again), check=False)
     assert first.returncode != 0, first.describe()
     output = first.output
-    assert output.count("SIGTERM received; stopping at step 4") == 1, first.describe()
-    path = checkpoint_path(tmp_path, config, 4)
+    assert output.count(f"SIGTERM received; stopping at step {stop}") == 1, first.describe()
+    path = checkpoint_path(tmp_path, config, stop)
     # Rank 0 logs the write before it tells the others (its own pre-emption line comes after
     # that broadcast, so it may print after rank 1's).
     written = output.find(f"[rank 0] checkpoint written: {path}")
-    told = output.find(f"[rank 1] pre-empted at step 4: rank 0 wrote the checkpoint {path}")
+    told = output.find(f"[rank 1] pre-empted at step {stop}: rank 0 wrote the checkpoint {path}")
     assert 0 <= written < told, first.describe()
-    assert f"[rank 0] pre-empted: checkpoint written at step 4: {path}" in output
+    assert f"[rank 0] pre-empted: checkpoint written at step {stop}: {path}" in output
     # torchrun's summary: one "exitcode  : N (pid: P)" per rank
     assert re.findall(r"exitcode\s+:\s*(-?\d+)", output) == ["143"] * SIZE, first.describe()
     for rank in range(SIZE):
-        assert rank_result(tmp_path, config, "first", rank) == {"exit_code": 143, "step": 4}
-    assert manifest_steps(tmp_path, config) == [4], "only the pre-emption checkpoint"
-    saved = torch.load(checkpoint_path(tmp_path, config, 4), weights_only=True)
+        assert rank_result(tmp_path, config, "first", rank) == {"exit_code": 143, "step": stop}
+    assert manifest_steps(tmp_path, config) == [stop], "only the pre-emption checkpoint"
+    saved = torch.load(checkpoint_path(tmp_path, config, stop), weights_only=True)
     trainer_state = saved["parts"]["trainer"]
-    assert trainer_state["global_step"] == 4 and saved["world_size"] == SIZE
+    assert trainer_state["global_step"] == stop and saved["world_size"] == SIZE
     assert not trainer_state["epoch_complete"] and "stop_requested" not in trainer_state
     if config == "epoch-lr":  # StepLR's state: epoch 1 has not ended
         step_lr = saved["parts"]["callbacks"]["all"]["LRSchedulerCallback#0"]
         assert step_lr["last_epoch"] == 0, "stepped at the pre-emption"
 
     resumed = launch(tmp_path, config, "resumed", "--checkpoint-every", "0")
-    assert f"resumed from {checkpoint_path(tmp_path, config, 4)}" in resumed.output
+    assert f"resumed from {checkpoint_path(tmp_path, config, stop)}" in resumed.output
     assert_matches_straight(straight, tmp_path, config, "resumed", first="first")
 
 
