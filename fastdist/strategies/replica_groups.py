@@ -17,7 +17,8 @@ Lighthouse's URL); ``python -m fastdist ft`` sets them.
 
 Accounting: an update's samples count when it is committed. Every replica group trains its
 own shard of each epoch, slot by slot; a slot whose update a group did not commit (it was
-dead, healing, or the update failed) is not trained again: its samples are counted as lost in
+dead, healing, or the update failed) is not trained again: that group's samples of the slot
+(its real ones: a short last batch counts its samples, a filler none) are counted as lost in
 ``TrainerState.lost_samples`` (per epoch), logged at the epoch's end.
 """
 
@@ -57,6 +58,26 @@ LAUNCH_HINT = (
     "launch the groups with python -m fastdist ft --groups N SCRIPT (or set "
     f"{GROUP_VAR}, {GROUPS_VAR} and {LIGHTHOUSE_VAR} for each group's torchrun)"
 )
+
+
+def replica_layout(strategy: str, fault_tolerant: bool, min_replicas: int) -> tuple[int, int]:
+    """``(index, count)`` of this process's replica group (``(0, 1)`` without
+    ``fault_tolerant``); raise if ``min_replicas`` cannot be met (alike on every process)."""
+    if not fault_tolerant:
+        if min_replicas != 1:
+            raise ValueError(
+                f"{strategy}(min_replicas={min_replicas}) counts torchft replica groups: set "
+                "fault_tolerant=True as well, or leave min_replicas at 1"
+            )
+        return 0, 1
+    index, count = replica_group_from_env(strategy)
+    if min_replicas > count:
+        raise ValueError(
+            f"{strategy}(fault_tolerant=True, min_replicas={min_replicas}) needs at least "
+            f"{min_replicas} replica groups, but {GROUPS_VAR}={count}: no update could ever "
+            f"commit. Set min_replicas to {count} or less, or launch more groups"
+        )
+    return index, count
 
 
 def replica_group_from_env(strategy: str = "DDP") -> tuple[int, int]:
@@ -108,7 +129,7 @@ class ReplicaGroups:
         self.index, self.count = index, count
         self.min_replicas, self.timeout = min_replicas, timeout
         self.state: TrainerState | None = None
-        self.samples_per_update = 0
+        self.update_samples: Callable[[], list[int]] = lambda: [0] * count
         self.healed = False  # the state was just loaded from a peer
         self.trained = count  # groups that committed the last update
         self.joined = False  # a quorum was just formed by join()
@@ -165,10 +186,10 @@ class ReplicaGroups:
 
         self.manager.register_state_dict_fn("fastdist", load, state_dict)
 
-    def bind(self, state: TrainerState, samples_per_update: int) -> None:
-        """Count lost samples into ``state``; an update of this group trains
-        ``samples_per_update`` samples."""
-        self.state, self.samples_per_update = state, samples_per_update
+    def bind(self, state: TrainerState, update_samples: Callable[[], list[int]]) -> None:
+        """Count lost samples into ``state``; ``update_samples()``: each group's samples in
+        the current update."""
+        self.state, self.update_samples = state, update_samples
 
     def join(self) -> str | None:
         """The first quorum, before training: heal from a peer if one is ahead; return where
@@ -231,11 +252,22 @@ class ReplicaGroups:
                 "callback), or healed from a peer wrongly; restart the job from a checkpoint"
             )
 
+    def average(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` averaged over the groups of this update's quorum (a group that heals
+        adds nothing); ``tensor`` itself if the all-reduce failed (the update then does not
+        commit). Every group calls it at the same place of the same update."""
+        reduced = tensor.detach().clone()
+        self.manager.allreduce(reduced).wait()
+        return tensor if self.manager.errored() else reduced
+
     def commit(self) -> bool:
         """torchft's ``should_commit`` for this update; count the samples it lost."""
         committed = bool(self.manager.should_commit())
-        trained = self.manager.num_participants() if committed else 0
-        lost = max(self.count - trained, 0) * self.samples_per_update
+        ranks = getattr(self.manager._pg, "_global_ranks", None) or [self.index * get_world_size()]
+        groups = {rank // get_world_size() for rank in ranks} if committed else set()
+        trained = len(groups)
+        samples = self.update_samples()
+        lost = sum(n for group, n in enumerate(samples) if group not in groups)
         if self.state is not None:
             self.state.lost_samples += lost
             if trained != self.trained:  # logged as it changes, not at every update

@@ -71,13 +71,22 @@ def shard_data(train_data: Any, batch_sampler: Any, strategy: Strategy) -> int:
     """Tell a token batch sampler this rank's data shard, which tensor-parallel peers share
     (:class:`~fastdist.strategies.Topology`), and check a sharded stream's; return how many
     data shards there are. Raises before any collective (the layout is known from the
-    environment)."""
+    environment). Each of torchft's replica groups trains its own shard of the data: a
+    stream is refused there (its readers agree within a group only)."""
     shard = Topology.of(strategy).data_shard
+    index, groups = strategy.replica_group
+    if groups > 1 and isinstance(train_data, IterableDataset):
+        raise ValueError(
+            "a streaming train_data (an IterableDataset) is not supported with "
+            f"fault_tolerant=True and {groups} replica groups: its readers agree within one "
+            "group only. Pass a map-style Dataset (e.g. the stream's items in a list)"
+        )
+    rank, size = index * shard.size + shard.rank, groups * shard.size  # World.train_data
     if isinstance(batch_sampler, TokenBatchSampler):
-        batch_sampler.set_shard(shard.rank, shard.size)
+        batch_sampler.set_shard(rank, size)
     if isinstance(train_data, ShardedStream):
         train_data.check_shard(shard.rank, shard.size, get_world_size())
-    return shard.size
+    return size
 
 
 def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:

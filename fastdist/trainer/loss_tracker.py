@@ -9,6 +9,7 @@ places where the trainer reads values.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -88,7 +89,12 @@ class LossTracker:
         return self._weighted(self.window, self.window_samples).sum()
 
     def normalize(
-        self, model: nn.Module, loss_ranks: int, group: Any, everywhere: bool = False
+        self,
+        model: nn.Module,
+        loss_ranks: int,
+        group: Any,
+        everywhere: bool = False,
+        across: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """Divide the summed gradients of a ``(sum, count)`` loss by the update's global count.
 
@@ -97,7 +103,8 @@ class LossTracker:
         sizes of the ranks' batches (DDP's mean over the ``loss_ranks`` ranks that compute the
         loss is undone). ``everywhere``: ranks that compute no loss (a pipeline's first
         stages) hold gradients too: every rank joins, and learns from it whether the loss
-        returns ``(sum, count)``.
+        returns ``(sum, count)``. ``across``: the count averaged over torchft's replica groups,
+        whose gradient torchft averages (each group's own count would divide it wrongly).
         """
         if not (self.counted or everywhere):
             return
@@ -106,6 +113,8 @@ class LossTracker:
         counted, total = all_reduce_sum(stats, group).unbind()
         if everywhere and not counted.item():
             return
+        if across is not None:
+            total = across(total)
         factor = loss_ranks / total.clamp(min=1)
         for p in model.parameters():
             if p.grad is not None:

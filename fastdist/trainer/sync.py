@@ -71,6 +71,8 @@ class Sync:
         sigterm: whether this rank was sent SIGTERM or the requeue signal (read at each sync).
         board: this rank's published position.
         device, group: where the numbers go, and over which group.
+        across: averages the read loss's sum and count over torchft's replica groups (the
+            job's loss, not one group's; the strategy's ``average_over_groups``).
     """
 
     def __init__(
@@ -83,11 +85,12 @@ class Sync:
         board: PositionBoard,
         device: torch.device,
         group: Any,
+        across: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         self.losses, self.timer, self.model = losses, timer, model
         self.raise_nonfinite = raise_nonfinite
         self.sigterm, self.board = sigterm, board
-        self.device, self.group = device, group
+        self.device, self.group, self.across = device, group, across
         self._started: Callable[[], torch.Tensor] | None = None  # the log step's, begun
 
     def agree(
@@ -111,6 +114,9 @@ class Sync:
         if bad_models or (self.raise_nonfinite and not math.isfinite(loss_sum)):
             self._raise_nonfinite(bad_model, step)
         loss = None
+        if read_loss:  # every group reads at the same update
+            pair = torch.tensor([loss_sum, count], dtype=torch.float64, device=self.device)
+            loss_sum, count = self.across(pair).tolist()
         if read_loss and count:
             loss = loss_sum / count
             self.losses.reset(step)
