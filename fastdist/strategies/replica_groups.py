@@ -194,16 +194,40 @@ class ReplicaGroups:
     def join(self) -> str | None:
         """The first quorum, before training: heal from a peer if one is ahead; return where
         the state came from (``None``: this group's own)."""
-        self.start_update()
+        self._quorum()
         self.joined = True  # the first update needs no quorum of its own
         healed, self.healed = self.healed, False
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if restarts and not healed and self.manager.num_participants() == 1:
+            raise RuntimeError(
+                f"replica group {self.index} was restarted (attempt {restarts + 1}) but no live "
+                "replica group is there to heal it: the others have finished or failed, and "
+                "training on alone from this group's own step would train the job again. "
+                "Restart the whole job (with save_path set, it resumes from the newest "
+                "checkpoints)"
+            )
         return f"a peer replica group at step {self.manager.current_step()}" if healed else None
 
     def start_update(self) -> None:
-        """A quorum before an update's forward: reconfigure the groups, heal if behind."""
+        """A quorum before an update's forward: reconfigure the groups. A group behind the
+        others heals only at its start (:meth:`join`), where it adopts the peer's whole
+        position (epoch, sampler, step): behind at a later quorum, it stops with an error
+        (its launcher then restarts it, and it heals at that start)."""
         if self.joined:
             self.joined = False
             return
+        self._quorum()
+        if self.healed:
+            raise RuntimeError(
+                f"replica group {self.index} fell behind the other groups and healed from one "
+                f"at step {self.manager.current_step()} in the middle of its training, where "
+                "it cannot take up the peer's place in the data: this group stops so that its "
+                "launcher restarts it (it then heals at its start, at the peer's epoch and "
+                "position). Launch it with restarts (python -m fastdist ft --max-restarts N)"
+            )
+
+    def _quorum(self) -> None:
+        """torchft's quorum (healing this group if it is behind); checks of the groups in it."""
         try:
             self.manager.start_quorum()
         except Exception as exc:  # torchft's quorum call to the Lighthouse, bounded by timeout

@@ -1,6 +1,6 @@
-"""One replica group (or, with ``--plain``, one plain process) of the torchft audit (issue 33).
+"""One replica group (or, with ``--plain``, one plain process) of tests/test_ft_rules.py.
 
-``attack33_worker.py OUT [options]``, launched by ``python -m fastdist ft`` (or with the
+``ft_rules_worker.py OUT [options]``, launched by ``python -m fastdist ft`` (or with the
 replica variables set). A float64 linear model on ``--n`` samples of dict items
 ``{"x", "y", "idx"}`` (``idx`` names the sample). ``--plain``: one process with plain DDP and
 ``update_every`` times ``--groups`` (the reference a run of that many groups without failures
