@@ -6,10 +6,13 @@ torchft Lighthouse. Every update starts with a torchft quorum
 (:meth:`ReplicaGroups.start_update`), its gradients are averaged within the group by torch
 and across the groups in the quorum over torchft's ``ProcessGroupGloo``
 (:mod:`~fastdist.strategies.ft_comm`), and it is applied only where torchft's
-``should_commit`` agrees (:class:`Gated`). A group that joins or falls behind receives every
-checkpoint part of a healthy group through torchft's checkpoint transport, each rank from
-the same rank of the healthy group (its own shard, under FSDP): the same ``state_dict``
-contract as a checkpoint on disk; nothing is read from disk.
+``should_commit`` agrees (:class:`Gated`). A group that joins behind the others receives
+every checkpoint part of a healthy group through torchft's checkpoint transport, each rank
+from the same rank of the healthy group (its own shard, under FSDP): the same ``state_dict``
+contract as a checkpoint on disk; nothing is read from disk. It heals only at its start
+(:meth:`ReplicaGroups.join`), where the trainer takes up the peer's position; found behind
+later, or restarted with no live peer, it stops with an error rather than train the job
+from the wrong place.
 
 The launch says which group a process belongs to: ``FASTDIST_REPLICA_GROUP`` (its index, from
 0), ``FASTDIST_REPLICA_GROUPS`` (how many the job has) and ``TORCHFT_LIGHTHOUSE`` (the
