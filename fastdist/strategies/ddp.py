@@ -97,8 +97,7 @@ class DDP(Strategy):
         self.average_every = average_every
         self.fault_tolerant, self.min_replicas = fault_tolerant, min_replicas
         self.torchft: ReplicaGroups | None = None
-        # the launch says which group this is
-        self.replica_group = replica_layout("DDP", fault_tolerant, min_replicas)
+        self.replica_group = replica_layout("DDP", fault_tolerant, min_replicas)  # the launch's
         self.local_steps = average_every > 0
         self.waits_in_compute = average_every > 0  # in the step's averaging
         self.powersgd: PowerSGD | None = None

@@ -154,8 +154,7 @@ class FSDP(Strategy):
             )
         self.fault_tolerant, self.min_replicas = fault_tolerant, min_replicas
         self.torchft: ReplicaGroups | None = None
-        # the launch says which group this is
-        self.replica_group = replica_layout("FSDP", fault_tolerant, min_replicas)
+        self.replica_group = replica_layout("FSDP", fault_tolerant, min_replicas)  # the launch's
 
     def check(
         self,

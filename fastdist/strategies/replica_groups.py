@@ -37,6 +37,7 @@ from urllib.parse import urlparse
 
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from fastdist.distributed import get_rank, get_world_size
 from fastdist.distributed.dtensor import local_shards
@@ -51,6 +52,7 @@ from fastdist.strategies.same_model import (
     differences,
     signature,
 )
+from fastdist.strategies.topology import DataShard
 
 GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR = (
     "FASTDIST_REPLICA_GROUP",
@@ -81,6 +83,19 @@ def replica_layout(strategy: str, fault_tolerant: bool, min_replicas: int) -> tu
             f"commit. Set min_replicas to {count} or less, or launch more groups"
         )
     return index, count
+
+
+def refuse_stream(train_data: Any, replica_group: tuple[int, int], shard: DataShard) -> DataShard:
+    """This rank's ``shard`` of the data among every replica group's ranks; raise if
+    ``train_data`` is a stream and there are several groups (its readers agree within one
+    group only), alike on every process, before any collective."""
+    if replica_group[1] > 1 and isinstance(train_data, IterableDataset):
+        raise ValueError(
+            "a streaming train_data (an IterableDataset) is not supported with "
+            f"fault_tolerant=True and {replica_group[1]} replica groups: its readers agree "
+            "within one group only. Pass a map-style Dataset (e.g. the stream's items in a list)"
+        )
+    return shard.across_groups(replica_group)
 
 
 def replica_group_from_env(strategy: str = "DDP") -> tuple[int, int]:

@@ -24,6 +24,7 @@ from fastdist.losses import Loss, as_loss_fn
 from fastdist.metrics import Metric
 from fastdist.strategies import Strategy, Topology
 from fastdist.strategies.registry import BY_NAME
+from fastdist.strategies.replica_groups import refuse_stream
 from fastdist.trainer.check_resume import overridden
 from fastdist.trainer.options import TrainerOptions
 
@@ -68,25 +69,16 @@ class Arguments:
 
 
 def shard_data(train_data: Any, batch_sampler: Any, strategy: Strategy) -> int:
-    """Tell a token batch sampler this rank's data shard, which tensor-parallel peers share
-    (:class:`~fastdist.strategies.Topology`), and check a sharded stream's; return how many
-    data shards there are. Raises before any collective (the layout is known from the
-    environment). Each of torchft's replica groups trains its own shard of the data: a
-    stream is refused there (its readers agree within a group only)."""
+    """Tell a token batch sampler this rank's data shard (tensor-parallel peers share one; each
+    torchft replica group has its own), check a sharded stream's; return how many data shards
+    there are. Raises before any collective (the layout is known from the environment)."""
     shard = Topology.of(strategy).data_shard
-    index, groups = strategy.replica_group
-    if groups > 1 and isinstance(train_data, IterableDataset):
-        raise ValueError(
-            "a streaming train_data (an IterableDataset) is not supported with "
-            f"fault_tolerant=True and {groups} replica groups: its readers agree within one "
-            "group only. Pass a map-style Dataset (e.g. the stream's items in a list)"
-        )
-    rank, size = index * shard.size + shard.rank, groups * shard.size  # World.train_data
+    every = refuse_stream(train_data, strategy.replica_group, shard)  # torchft's groups
     if isinstance(batch_sampler, TokenBatchSampler):
-        batch_sampler.set_shard(rank, size)
+        batch_sampler.set_shard(every.rank, every.size)
     if isinstance(train_data, ShardedStream):
         train_data.check_shard(shard.rank, shard.size, get_world_size())
-    return size
+    return every.size
 
 
 def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:

@@ -80,8 +80,7 @@ class World:
     def train_data(self) -> DataShard:
         """The shard of the data this rank trains on: its group's shard of the epoch, each
         replica group training its own."""
-        shard, (index, count) = self.data, self.replica_group
-        return DataShard(index * shard.size + shard.rank, count * shard.size, shard.primary)
+        return self.data.across_groups(self.replica_group)
 
 
 @dataclass
