@@ -67,8 +67,14 @@ def run(args: argparse.Namespace) -> int:
             f"--groups {args.groups} and --min-replicas {args.min_replicas}: need "
             "1 <= --min-replicas <= --groups"
         )
-    if args.procs_per_group < 1:
-        raise SystemExit(f"--procs-per-group {args.procs_per_group}: need 1 or more")
+    for option, value, least in (
+        ("--procs-per-group", args.procs_per_group, 1),
+        ("--max-restarts", args.max_restarts, 0),
+        ("--heartbeat-timeout-ms", args.heartbeat_timeout_ms, 1),
+        ("--join-timeout-ms", args.join_timeout_ms, 0),
+    ):
+        if value < least:
+            raise SystemExit(f"{option} {value}: need {least} or more")
     binary = shutil.which("torchft_lighthouse") or str(
         Path(sys.executable).parent / "torchft_lighthouse"
     )

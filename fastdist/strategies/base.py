@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -130,9 +130,16 @@ class Strategy:
         """Raise if this strategy cannot run ``model`` on ``device`` (alike on every rank,
         before any collective)."""
 
-    def bind(self, state: TrainerState, samples_per_update: int) -> None:
+    def bind(self, state: TrainerState, update_samples: Callable[[], list[int]]) -> None:
         """Once the trainer is assembled: its ``state`` (a strategy may count into it, e.g. the
-        samples lost to failed replica groups) and the samples of one update of this group."""
+        samples lost to failed replica groups) and ``update_samples()``: each replica group's
+        samples in the current update."""
+
+    def average_over_groups(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` averaged over the replica groups that train this update (torchft's
+        quorum; the trainer's (sum, count) token totals and logged loss); here one group:
+        ``tensor`` itself."""
+        return tensor
 
     def check_window(self, update_every: int) -> None:
         """Raise if this strategy cannot run updates of ``update_every`` micro-batches (alike

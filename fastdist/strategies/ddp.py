@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,7 +18,7 @@ from fastdist.logging import logger
 from fastdist.state import TrainerState
 from fastdist.strategies.base import Strategy, Update
 from fastdist.strategies.ft_comm import wrap_ddp
-from fastdist.strategies.replica_groups import Gated, ReplicaGroups, replica_group_from_env
+from fastdist.strategies.replica_groups import Gated, ReplicaGroups, replica_layout
 from fastdist.strategies.topology import Topology
 
 if TYPE_CHECKING:  # the hooks are imported when set
@@ -96,8 +97,7 @@ class DDP(Strategy):
         self.average_every = average_every
         self.fault_tolerant, self.min_replicas = fault_tolerant, min_replicas
         self.torchft: ReplicaGroups | None = None
-        if fault_tolerant:  # the launch says which group this is
-            self.replica_group = replica_group_from_env()
+        self.replica_group = replica_layout("DDP", fault_tolerant, min_replicas)  # the launch's
         self.local_steps = average_every > 0
         self.waits_in_compute = average_every > 0  # in the step's averaging
         self.powersgd: PowerSGD | None = None
@@ -181,9 +181,12 @@ class DDP(Strategy):
             ddp.register_comm_hook(self.local_sgd, post_localSGD_hook.post_localSGD_hook)
         return optimizer
 
-    def bind(self, state: TrainerState, samples_per_update: int) -> None:
+    def average_over_groups(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.torchft is None else self.torchft.average(tensor)
+
+    def bind(self, state: TrainerState, update_samples: Callable[[], list[int]]) -> None:
         if self.torchft is not None:
-            self.torchft.bind(state, samples_per_update)
+            self.torchft.bind(state, update_samples)
 
     def forward_backward(self, update: Update) -> None:
         """The update, after torchft's quorum (which may heal this group) if fault tolerant."""

@@ -7,7 +7,7 @@ parameters are all-gathered for its forward and backward, and gradients reduce-s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +21,7 @@ from fastdist.logging import logger
 from fastdist.state import TrainerState
 from fastdist.strategies.base import Strategy, Update
 from fastdist.strategies.blocks import checkpoint_blocks, compile_blocks, find_blocks, plain_name
-from fastdist.strategies.replica_groups import Gated, ReplicaGroups, replica_group_from_env
+from fastdist.strategies.replica_groups import Gated, ReplicaGroups, replica_layout
 from fastdist.strategies.topology import Topology
 
 if TYPE_CHECKING:  # torch's FSDP and DTensor packages (~0.6 s) are imported when used
@@ -154,8 +154,7 @@ class FSDP(Strategy):
             )
         self.fault_tolerant, self.min_replicas = fault_tolerant, min_replicas
         self.torchft: ReplicaGroups | None = None
-        if fault_tolerant:  # the launch says which group this is
-            self.replica_group = replica_group_from_env("FSDP")
+        self.replica_group = replica_layout("FSDP", fault_tolerant, min_replicas)  # the launch's
 
     def check(
         self,
@@ -286,9 +285,12 @@ class FSDP(Strategy):
             self.module = wrap_ddp(manager, self.model, group)
         return Gated(optimizer, self.torchft)
 
-    def bind(self, state: TrainerState, samples_per_update: int) -> None:
+    def average_over_groups(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.torchft is None else self.torchft.average(tensor)
+
+    def bind(self, state: TrainerState, update_samples: Callable[[], list[int]]) -> None:
         if self.torchft is not None:
-            self.torchft.bind(state, samples_per_update)
+            self.torchft.bind(state, update_samples)
 
     def forward_backward(self, update: Update) -> None:
         """The update, after torchft's quorum (which may heal this group) if fault tolerant."""

@@ -6,10 +6,13 @@ torchft Lighthouse. Every update starts with a torchft quorum
 (:meth:`ReplicaGroups.start_update`), its gradients are averaged within the group by torch
 and across the groups in the quorum over torchft's ``ProcessGroupGloo``
 (:mod:`~fastdist.strategies.ft_comm`), and it is applied only where torchft's
-``should_commit`` agrees (:class:`Gated`). A group that joins or falls behind receives every
-checkpoint part of a healthy group through torchft's checkpoint transport, each rank from
-the same rank of the healthy group (its own shard, under FSDP): the same ``state_dict``
-contract as a checkpoint on disk; nothing is read from disk.
+``should_commit`` agrees (:class:`Gated`). A group that joins behind the others receives
+every checkpoint part of a healthy group through torchft's checkpoint transport, each rank
+from the same rank of the healthy group (its own shard, under FSDP): the same ``state_dict``
+contract as a checkpoint on disk; nothing is read from disk. It heals only at its start
+(:meth:`ReplicaGroups.join`), where the trainer takes up the peer's position; found behind
+later, or restarted with no live peer, it stops with an error rather than train the job
+from the wrong place.
 
 The launch says which group a process belongs to: ``FASTDIST_REPLICA_GROUP`` (its index, from
 0), ``FASTDIST_REPLICA_GROUPS`` (how many the job has) and ``TORCHFT_LIGHTHOUSE`` (the
@@ -17,7 +20,8 @@ Lighthouse's URL); ``python -m fastdist ft`` sets them.
 
 Accounting: an update's samples count when it is committed. Every replica group trains its
 own shard of each epoch, slot by slot; a slot whose update a group did not commit (it was
-dead, healing, or the update failed) is not trained again: its samples are counted as lost in
+dead, healing, or the update failed) is not trained again: that group's samples of the slot
+(its real ones: a short last batch counts its samples, a filler none) are counted as lost in
 ``TrainerState.lost_samples`` (per epoch), logged at the epoch's end.
 """
 
@@ -33,6 +37,7 @@ from urllib.parse import urlparse
 
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from fastdist.distributed import get_rank, get_world_size
 from fastdist.distributed.dtensor import local_shards
@@ -47,6 +52,7 @@ from fastdist.strategies.same_model import (
     differences,
     signature,
 )
+from fastdist.strategies.topology import DataShard
 
 GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR = (
     "FASTDIST_REPLICA_GROUP",
@@ -57,6 +63,39 @@ LAUNCH_HINT = (
     "launch the groups with python -m fastdist ft --groups N SCRIPT (or set "
     f"{GROUP_VAR}, {GROUPS_VAR} and {LIGHTHOUSE_VAR} for each group's torchrun)"
 )
+
+
+def replica_layout(strategy: str, fault_tolerant: bool, min_replicas: int) -> tuple[int, int]:
+    """``(index, count)`` of this process's replica group (``(0, 1)`` without
+    ``fault_tolerant``); raise if ``min_replicas`` cannot be met (alike on every process)."""
+    if not fault_tolerant:
+        if min_replicas != 1:
+            raise ValueError(
+                f"{strategy}(min_replicas={min_replicas}) counts torchft replica groups: set "
+                "fault_tolerant=True as well, or leave min_replicas at 1"
+            )
+        return 0, 1
+    index, count = replica_group_from_env(strategy)
+    if min_replicas > count:
+        raise ValueError(
+            f"{strategy}(fault_tolerant=True, min_replicas={min_replicas}) needs at least "
+            f"{min_replicas} replica groups, but {GROUPS_VAR}={count}: no update could ever "
+            f"commit. Set min_replicas to {count} or less, or launch more groups"
+        )
+    return index, count
+
+
+def refuse_stream(train_data: Any, replica_group: tuple[int, int], shard: DataShard) -> DataShard:
+    """This rank's ``shard`` of the data among every replica group's ranks; raise if
+    ``train_data`` is a stream and there are several groups (its readers agree within one
+    group only), alike on every process, before any collective."""
+    if replica_group[1] > 1 and isinstance(train_data, IterableDataset):
+        raise ValueError(
+            "a streaming train_data (an IterableDataset) is not supported with "
+            f"fault_tolerant=True and {replica_group[1]} replica groups: its readers agree "
+            "within one group only. Pass a map-style Dataset (e.g. the stream's items in a list)"
+        )
+    return shard.across_groups(replica_group)
 
 
 def replica_group_from_env(strategy: str = "DDP") -> tuple[int, int]:
@@ -108,7 +147,7 @@ class ReplicaGroups:
         self.index, self.count = index, count
         self.min_replicas, self.timeout = min_replicas, timeout
         self.state: TrainerState | None = None
-        self.samples_per_update = 0
+        self.update_samples: Callable[[], list[int]] = lambda: [0] * count
         self.healed = False  # the state was just loaded from a peer
         self.trained = count  # groups that committed the last update
         self.joined = False  # a quorum was just formed by join()
@@ -165,24 +204,48 @@ class ReplicaGroups:
 
         self.manager.register_state_dict_fn("fastdist", load, state_dict)
 
-    def bind(self, state: TrainerState, samples_per_update: int) -> None:
-        """Count lost samples into ``state``; an update of this group trains
-        ``samples_per_update`` samples."""
-        self.state, self.samples_per_update = state, samples_per_update
+    def bind(self, state: TrainerState, update_samples: Callable[[], list[int]]) -> None:
+        """Count lost samples into ``state``; ``update_samples()``: each group's samples in
+        the current update."""
+        self.state, self.update_samples = state, update_samples
 
     def join(self) -> str | None:
         """The first quorum, before training: heal from a peer if one is ahead; return where
         the state came from (``None``: this group's own)."""
-        self.start_update()
+        self._quorum()
         self.joined = True  # the first update needs no quorum of its own
         healed, self.healed = self.healed, False
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if restarts and not healed and self.manager.num_participants() == 1:
+            raise RuntimeError(
+                f"replica group {self.index} was restarted (attempt {restarts + 1}) but no live "
+                "replica group is there to heal it: the others have finished or failed, and "
+                "training on alone from this group's own step would train the job again. "
+                "Restart the whole job (with save_path set, it resumes from the newest "
+                "checkpoints)"
+            )
         return f"a peer replica group at step {self.manager.current_step()}" if healed else None
 
     def start_update(self) -> None:
-        """A quorum before an update's forward: reconfigure the groups, heal if behind."""
+        """A quorum before an update's forward: reconfigure the groups. A group behind the
+        others heals only at its start (:meth:`join`), where it adopts the peer's whole
+        position (epoch, sampler, step): behind at a later quorum, it stops with an error
+        (its launcher then restarts it, and it heals at that start)."""
         if self.joined:
             self.joined = False
             return
+        self._quorum()
+        if self.healed:
+            raise RuntimeError(
+                f"replica group {self.index} fell behind the other groups and healed from one "
+                f"at step {self.manager.current_step()} in the middle of its training, where "
+                "it cannot take up the peer's place in the data: this group stops so that its "
+                "launcher restarts it (it then heals at its start, at the peer's epoch and "
+                "position). Launch it with restarts (python -m fastdist ft --max-restarts N)"
+            )
+
+    def _quorum(self) -> None:
+        """torchft's quorum (healing this group if it is behind); checks of the groups in it."""
         try:
             self.manager.start_quorum()
         except Exception as exc:  # torchft's quorum call to the Lighthouse, bounded by timeout
@@ -231,11 +294,22 @@ class ReplicaGroups:
                 "callback), or healed from a peer wrongly; restart the job from a checkpoint"
             )
 
+    def average(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` averaged over the groups of this update's quorum (a group that heals
+        adds nothing); ``tensor`` itself if the all-reduce failed (the update then does not
+        commit). Every group calls it at the same place of the same update."""
+        reduced = tensor.detach().clone()
+        self.manager.allreduce(reduced).wait()
+        return tensor if self.manager.errored() else reduced
+
     def commit(self) -> bool:
         """torchft's ``should_commit`` for this update; count the samples it lost."""
         committed = bool(self.manager.should_commit())
-        trained = self.manager.num_participants() if committed else 0
-        lost = max(self.count - trained, 0) * self.samples_per_update
+        ranks = getattr(self.manager._pg, "_global_ranks", None) or [self.index * get_world_size()]
+        groups = {rank // get_world_size() for rank in ranks} if committed else set()
+        trained = len(groups)
+        samples = self.update_samples()
+        lost = sum(n for group, n in enumerate(samples) if group not in groups)
         if self.state is not None:
             self.state.lost_samples += lost
             if trained != self.trained:  # logged as it changes, not at every update

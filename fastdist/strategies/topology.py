@@ -52,6 +52,12 @@ class DataShard:
     size: int
     primary: bool = True
 
+    def across_groups(self, replica_group: tuple[int, int]) -> DataShard:
+        """This rank's shard among every replica group's ranks: group ``index`` of ``count``
+        (``replica_group``) trains its own part of the data."""
+        index, count = replica_group
+        return DataShard(index * self.size + self.rank, count * self.size, self.primary)
+
 
 class Topology:
     """This rank's place in the layout of ``world_size`` ranks along named dimensions.

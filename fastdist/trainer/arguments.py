@@ -24,6 +24,7 @@ from fastdist.losses import Loss, as_loss_fn
 from fastdist.metrics import Metric
 from fastdist.strategies import Strategy, Topology
 from fastdist.strategies.registry import BY_NAME
+from fastdist.strategies.replica_groups import refuse_stream
 from fastdist.trainer.check_resume import overridden
 from fastdist.trainer.options import TrainerOptions
 
@@ -68,16 +69,16 @@ class Arguments:
 
 
 def shard_data(train_data: Any, batch_sampler: Any, strategy: Strategy) -> int:
-    """Tell a token batch sampler this rank's data shard, which tensor-parallel peers share
-    (:class:`~fastdist.strategies.Topology`), and check a sharded stream's; return how many
-    data shards there are. Raises before any collective (the layout is known from the
-    environment)."""
+    """Tell a token batch sampler this rank's data shard (tensor-parallel peers share one; each
+    torchft replica group has its own), check a sharded stream's; return how many data shards
+    there are. Raises before any collective (the layout is known from the environment)."""
     shard = Topology.of(strategy).data_shard
+    every = refuse_stream(train_data, strategy.replica_group, shard)  # torchft's groups
     if isinstance(batch_sampler, TokenBatchSampler):
-        batch_sampler.set_shard(shard.rank, shard.size)
+        batch_sampler.set_shard(every.rank, every.size)
     if isinstance(train_data, ShardedStream):
         train_data.check_shard(shard.rank, shard.size, get_world_size())
-    return shard.size
+    return every.size
 
 
 def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:

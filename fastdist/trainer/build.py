@@ -10,6 +10,7 @@ import os
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -79,8 +80,7 @@ class World:
     def train_data(self) -> DataShard:
         """The shard of the data this rank trains on: its group's shard of the epoch, each
         replica group training its own."""
-        shard, (index, count) = self.data, self.replica_group
-        return DataShard(index * shard.size + shard.rank, count * shard.size, shard.primary)
+        return self.data.across_groups(self.replica_group)
 
 
 @dataclass
@@ -163,10 +163,20 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
             options.slow_rank_threshold, world.rank == 0, not strategy.waits_in_compute
         ),
         sigterm=sigterm,
-        sync=Sync(losses, timer, model, raise_nonfinite, sigterm, world.board, device, world.group),
+        sync=Sync(
+            losses,
+            timer,
+            model,
+            raise_nonfinite,
+            sigterm,
+            world.board,
+            device,
+            world.group,
+            strategy.average_over_groups,
+        ),
     )
     _register_parts(run)
-    strategy.bind(state, options.global_batch(world.data.size))  # e.g. counts lost samples
+    strategy.bind(state, partial(_group_samples, run))  # e.g. counts lost samples
     # The groups this trainer created go with it (each holds sockets and threads).
     owned = [world.group, stream_group, write_group, *strategy.own_groups]
     weakref.finalize(run, destroy_groups, owned)
@@ -194,6 +204,18 @@ def _form_world(options: TrainerOptions, device: torch.device) -> World:
     board = PositionBoard(rank, size)
     hang.watch(rank, hang.dump_dir(options.save_path), lambda: board.describe(board.fields))
     return World(device, rank, size, group, board, topology, options.strategy.replica_group)
+
+
+def _group_samples(run: Run) -> list[int]:
+    """Each replica group's samples (its ranks' real ones) in the update ``run`` is at."""
+    index, count = run.world.replica_group
+    size, every = run.world.data.size, run.options.update_every
+    sizes = getattr(run.data, "sizes", None)  # every rank's micro-batch sizes of the pass
+    if sizes is None:  # a stream (one group only): the nominal figure
+        return [run.options.global_batch(size)] * count
+    start = run.state.batch_idx // every * every
+    ranks = [sum(rank[start : start + every]) for rank in sizes]
+    return [sum(ranks[g * size : (g + 1) * size]) for g in range(count)]
 
 
 def _batches(args: Arguments, world: World, timer: RankTimer, stream_group: Any) -> Batches:

@@ -10,6 +10,7 @@ and may read their sum later, while the next updates fill the other of two buffe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,7 +96,12 @@ class LossTracker:
         return self._weighted(self.window, self.window_samples).sum()
 
     def normalize(
-        self, model: nn.Module, loss_ranks: int, group: Any, everywhere: bool = False
+        self,
+        model: nn.Module,
+        loss_ranks: int,
+        group: Any,
+        everywhere: bool = False,
+        across: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """Divide the summed gradients of a ``(sum, count)`` loss by the update's global count.
 
@@ -106,6 +112,8 @@ class LossTracker:
         stages) hold gradients too: at the first update every rank joins and learns whether
         the loss returns ``(sum, count)``; after that a mean loss costs nothing here (no
         collective, no host read), and one that turns into a ``(sum, count)`` pair is refused.
+        ``across``: the count averaged over torchft's replica groups, whose gradient torchft
+        averages (each group's own count would divide it wrongly).
         """
         if everywhere and self.agreed is False:
             if self.counted:
@@ -123,6 +131,8 @@ class LossTracker:
             self.agreed = bool(counted.item())
             if not self.agreed:
                 return
+        if across is not None:
+            total = across(total)
         factor = loss_ranks / total.clamp(min=1)
         for p in model.parameters():
             if p.grad is not None:

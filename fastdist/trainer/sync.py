@@ -77,6 +77,8 @@ class Sync:
         sigterm: whether this rank was sent SIGTERM or the requeue signal (read at each sync).
         board: this rank's published position.
         device, group: where the numbers go, and over which group.
+        across: averages the read loss's sum and count over torchft's replica groups (the
+            job's loss, not one group's; the strategy's ``average_over_groups``).
     """
 
     def __init__(
@@ -89,11 +91,12 @@ class Sync:
         board: PositionBoard,
         device: torch.device,
         group: Any,
+        across: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         self.losses, self.timer, self.model = losses, timer, model
         self.raise_nonfinite = raise_nonfinite
         self.sigterm, self.board = sigterm, board
-        self.device, self.group = device, group
+        self.device, self.group, self.across = device, group, across
         # The log step's all-reduce under way: its update and the wait for it.
         self._started: tuple[int, Callable[[], torch.Tensor]] | None = None
 
@@ -135,6 +138,9 @@ class Sync:
         self.board.move(phase="train")
         if bad_models or (self.raise_nonfinite and not math.isfinite(loss_sum)):
             self._raise_nonfinite(bad_model, step, taken)
+        if taken:  # every group reads a log step at the same update
+            pair = torch.tensor([loss_sum, count], dtype=torch.float64, device=self.device)
+            loss_sum, count = self.across(pair).tolist()
         return Agreement(
             stop_requested=stop > 0,
             preempted=preempted > 0,

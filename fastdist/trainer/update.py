@@ -36,7 +36,7 @@ class Update:
     def __init__(self, run: Run, batches: Iterator[Any]) -> None:
         self.state, self.callbacks, self.data = run.state, run.callbacks, run.data
         self.model, self.precision, self.losses = run.model, run.precision, run.losses
-        self.timer, self.world = run.timer, run.world
+        self.timer, self.world, self.strategy = run.timer, run.world, run.strategy
         self.feed, self.loss_fn = run.forward, run.loss_fn
         self.batches = batches
         self.last = False
@@ -107,7 +107,11 @@ class Update:
         if state.is_update:  # (sum, count) losses: divide by the update's global count
             topology = self.world.topology
             self.losses.normalize(
-                self.model, topology.loss_ranks, self.world.group, topology.sizes["pp"] > 1
+                self.model,
+                topology.loss_ranks,
+                self.world.group,
+                topology.sizes["pp"] > 1,
+                self.strategy.average_over_groups,
             )
             self.timer.backward_done()  # splits off the all-reduce wait
         self.callbacks.on_backward_end()
