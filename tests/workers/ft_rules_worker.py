@@ -111,6 +111,7 @@ class Record(Callback):
         lr = self.trainer.optimizer.param_groups[0]["lr"]
         update = {"step": state.global_step, "epoch": state.epoch, "groups": groups, "lr": lr}
         update["t"], update["loss"] = time.time(), state.loss
+        update["loss_step"] = state.loss_step  # the log step state.loss is of
         self._write(update)
         if self.kill_step >= 0 and state.global_step >= self.kill_step:
             if self.how == "kill":
