@@ -242,10 +242,10 @@ def test_a_signalled_sbatch_job_checkpoints_requeues_itself_and_resumes_exactly(
     for rank in (0, 1):
         assert record(tmp_path, 0, rank)["exit_code"] == 143
         assert record(tmp_path, 1, rank)["params"] == launcher_reference
-    # The first run stopped at the log step after the signal (every 2 updates), with a
-    # checkpoint there; the requeued one resumed from it.
-    assert first_step(tmp_path, 1) == 7
-    assert "checkpoints/step-00000006.pt" in output
+    # The signal rode the log step after it (6; every 2 updates), read after the next update:
+    # the first run stopped at 7 with a checkpoint there; the requeued one resumed from it.
+    assert first_step(tmp_path, 1) == 8
+    assert "checkpoints/step-00000007.pt" in output
 
 
 def wait_until(
