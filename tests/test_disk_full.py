@@ -39,6 +39,18 @@ def mount_tmpfs(mount: Path) -> None:
         pytest.skip(f"mounting a tmpfs needs root here: {done.stderr.strip()}")
 
 
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1.5 MiB tmpfs mounted at a fresh directory, unmounted after the test (also used by
+    tests/test_loggers.py)."""
+    mount = tmp_path / "tmpfs"
+    mount_tmpfs(mount)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcomes]:
     """Every case in one launch, each full disk its own tmpfs: ``{"out": the launch's
