@@ -72,6 +72,7 @@ def test_compare_world_sizes_plots_and_tabulates(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # stream resume: test_stream, bit-exact, in the default run
 def test_stream_example_trains_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     """2 ranks stream the JSON-lines digits; a second run with more epochs resumes."""
     first = run_torchrun(STREAM, nproc=2, args=["--epochs", "2"], cwd=tmp_path, timeout=120)

@@ -142,6 +142,7 @@ def test_a_worker_killed_mid_run_is_restarted_by_ray_and_ends_as_an_uninterrupte
     assert report["checkpoint_files"] == ["manifest.json", "step-00000018.pt"]
 
 
+@pytest.mark.long  # resuming on fewer processes: test_resume and test_matrix, without Ray
 def test_a_run_restored_on_fewer_workers_trains_every_sample_once(
     ray_env: dict[str, str], tmp_path: Path
 ) -> None:

@@ -145,10 +145,14 @@ def assert_matches_straight(
         pytest.param("plain", 10, "exit", 9, id="epoch-boundary"),
         # PowerSGD has compressed updates 11-13 when rank 1 dies in update 14: every rank's
         # error feedback and Q matrices resume, re-laid out onto the new DDP's buckets.
-        pytest.param("powersgd", 14, "sigkill", 13, id="powersgd-error-feedback"),
+        pytest.param(
+            "powersgd", 14, "sigkill", 13, id="powersgd-error-feedback", marks=pytest.mark.long
+        ),
         # Local SGD averaged at update 12; ranks stepped on their own in update 13: each
         # rank's parameters and momentum resume.
-        pytest.param("local-sgd", 14, "sigkill", 13, id="local-sgd-per-rank-state"),
+        pytest.param(
+            "local-sgd", 14, "sigkill", 13, id="local-sgd-per-rank-state", marks=pytest.mark.long
+        ),
     ],
 )
 def test_killed_run_resumes_exactly(
@@ -388,7 +392,9 @@ def test_checkpoint_files_are_judged_alike_on_every_rank(straight: Path, tmp_pat
         pytest.param("epoch-lr", "all", False, id="sigterm-all-ranks-epoch-scheduler"),
         # A second SIGTERM to rank 0 while it writes a checkpoint that takes 2 s: the write
         # goes on, and rank 1 waits for it.
-        pytest.param("plain", "1", True, id="sigterm-again-during-a-slow-checkpoint"),
+        pytest.param(
+            "plain", "1", True, id="sigterm-again-during-a-slow-checkpoint", marks=pytest.mark.long
+        ),
     ],
 )
 def test_sigterm_preempts_with_a_checkpoint_and_resumes_exactly(

@@ -141,7 +141,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
         shared = [("save_path", options.save_path), ("checkpoint_dir", options.checkpoint_dir)]
         check_shared_dirs([(name, path) for name, path in shared if path], world.group)
     losses, state = LossTracker(device), TrainerState(n_epochs=options.n_epochs)
-    raise_nonfinite = options.on_nonfinite == "raise"
+    sync_args = (losses, timer, model, options.on_nonfinite == "raise", sigterm, world.board)
     run = Run(
         options=options,
         world=world,
@@ -163,17 +163,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
             options.slow_rank_threshold, world.rank == 0, not strategy.waits_in_compute
         ),
         sigterm=sigterm,
-        sync=Sync(
-            losses,
-            timer,
-            model,
-            raise_nonfinite,
-            sigterm,
-            world.board,
-            device,
-            world.group,
-            strategy.average_over_groups,
-        ),
+        sync=Sync(*sync_args, device, world.group, strategy.average_over_groups),
     )
     _register_parts(run)
     strategy.bind(state, partial(_group_samples, run))  # e.g. counts lost samples
