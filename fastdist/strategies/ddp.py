@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,10 +14,8 @@ from fastdist.checkpoint import PER_RANK
 from fastdist.checks import check_bool, check_choice, check_int, check_number
 from fastdist.distributed import get_world_size, is_distributed
 from fastdist.logging import logger
-from fastdist.state import TrainerState
-from fastdist.strategies.base import Strategy, Update
 from fastdist.strategies.ft_comm import wrap_ddp
-from fastdist.strategies.replica_groups import Gated, ReplicaGroups, replica_layout
+from fastdist.strategies.replica_groups import FaultTolerantStrategy
 from fastdist.strategies.topology import Topology
 
 if TYPE_CHECKING:  # the hooks are imported when set
@@ -29,7 +26,7 @@ if TYPE_CHECKING:  # the hooks are imported when set
 COMM_HOOKS = (None, "fp16", "bf16", "powersgd")
 
 
-class DDP(Strategy):
+class DDP(FaultTolerantStrategy):
     """Data parallelism: every rank holds the whole model; each update all-reduces gradients.
 
     On one process the model runs as it is. ``strategy="ddp"`` (the default) is ``DDP()``.
@@ -95,9 +92,7 @@ class DDP(Strategy):
         self.bucket_cap_mb = bucket_cap_mb
         self.comm_hook = comm_hook
         self.average_every = average_every
-        self.fault_tolerant, self.min_replicas = fault_tolerant, min_replicas
-        self.torchft: ReplicaGroups | None = None
-        self.replica_group = replica_layout("DDP", fault_tolerant, min_replicas)  # the launch's
+        self._replica_options("DDP", fault_tolerant, min_replicas)
         self.local_steps = average_every > 0
         self.waits_in_compute = average_every > 0  # in the step's averaging
         self.powersgd: PowerSGD | None = None
@@ -137,12 +132,9 @@ class DDP(Strategy):
             topology=topology,
         )
         if self.fault_tolerant:
-            index, count = self.replica_group
-            self.torchft = ReplicaGroups(index, count, self.min_replicas, timeout or 60.0)
-            manager = self.torchft.start(model, group)
-            self.peer = self.torchft
+            manager, gated = self._join(model, optimizer, group, timeout)
             self.module = wrap_ddp(manager, model, group)
-            return Gated(optimizer, self.torchft)
+            return gated
         if not is_distributed():
             return optimizer  # one process: nothing to all-reduce
         options: dict[str, Any] = (
@@ -180,19 +172,6 @@ class DDP(Strategy):
             )
             ddp.register_comm_hook(self.local_sgd, post_localSGD_hook.post_localSGD_hook)
         return optimizer
-
-    def average_over_groups(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.torchft is None else self.torchft.average(tensor)
-
-    def bind(self, state: TrainerState, update_samples: Callable[[], list[int]]) -> None:
-        if self.torchft is not None:
-            self.torchft.bind(state, update_samples)
-
-    def forward_backward(self, update: Update) -> None:
-        """The update, after torchft's quorum (which may heal this group) if fault tolerant."""
-        if self.torchft is not None:
-            self.torchft.start_update()
-        super().forward_backward(update)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         if isinstance(self.module, DistributedDataParallel):
@@ -241,9 +220,10 @@ class DDP(Strategy):
         ]
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's hook state: PowerSGD's per-parameter state, local SGD's iteration."""
+        """This rank's hook state: torchft's counters, PowerSGD's per-parameter state, local
+        SGD's iteration."""
         if self.torchft is not None:
-            return {"torchft": self.torchft.state_dict()}
+            return super().state_dict()
         if self.powersgd is not None:
             return {"powersgd": self.powersgd.state_dict()}
         if self.local_sgd is not None:
@@ -251,8 +231,7 @@ class DDP(Strategy):
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.torchft is not None and "torchft" in state:
-            self.torchft.load_state_dict(state["torchft"])
+        super().load_state_dict(state)
         if self.powersgd is not None and "powersgd" in state:
             self.powersgd.load_state_dict(state["powersgd"])
         if self.local_sgd is not None and "local_sgd_iter" in state:

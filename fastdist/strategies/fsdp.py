@@ -7,7 +7,7 @@ parameters are all-gathered for its forward and backward, and gradients reduce-s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,10 +18,8 @@ from fastdist.checks import check_bool, check_int, describe
 from fastdist.distributed import get_rank, get_world_size, is_distributed
 from fastdist.distributed.dtensor import is_fsdp_module, local_shards
 from fastdist.logging import logger
-from fastdist.state import TrainerState
-from fastdist.strategies.base import Strategy, Update
 from fastdist.strategies.blocks import checkpoint_blocks, compile_blocks, find_blocks, plain_name
-from fastdist.strategies.replica_groups import Gated, ReplicaGroups, replica_layout
+from fastdist.strategies.replica_groups import FaultTolerantStrategy
 from fastdist.strategies.topology import Topology
 
 if TYPE_CHECKING:  # torch's FSDP and DTensor packages (~0.6 s) are imported when used
@@ -62,7 +60,7 @@ def check_wrap(wrap: Any) -> None:
             )
 
 
-class FSDP(Strategy):
+class FSDP(FaultTolerantStrategy):
     """Fully sharded data parallelism with torch's ``fully_shard`` (FSDP2), optionally
     replicated over groups (HSDP) and with tensor parallelism.
 
@@ -152,9 +150,7 @@ class FSDP(Strategy):
                 "replicates across the groups through torchft: leave replicate and tp at 1 "
                 "(launch more groups for more replicas)"
             )
-        self.fault_tolerant, self.min_replicas = fault_tolerant, min_replicas
-        self.torchft: ReplicaGroups | None = None
-        self.replica_group = replica_layout("FSDP", fault_tolerant, min_replicas)  # the launch's
+        self._replica_options("FSDP", fault_tolerant, min_replicas)
 
     def check(
         self,
@@ -276,27 +272,12 @@ class FSDP(Strategy):
             return optimizer
         from fastdist.strategies.ft_comm import reduce_across_groups, wrap_ddp
 
-        index, count = self.replica_group
-        self.torchft = self.peer = ReplicaGroups(index, count, self.min_replicas, timeout or 60.0)
-        manager = self.torchft.start(self.model, group)
+        manager, gated = self._join(self.model, optimizer, group, timeout)
         if is_fsdp_module(self.model):
             reduce_across_groups(manager, self.model)
         else:  # a group of one process: the plain model, averaged across groups as by DDP
             self.module = wrap_ddp(manager, self.model, group)
-        return Gated(optimizer, self.torchft)
-
-    def average_over_groups(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.torchft is None else self.torchft.average(tensor)
-
-    def bind(self, state: TrainerState, update_samples: Callable[[], list[int]]) -> None:
-        if self.torchft is not None:
-            self.torchft.bind(state, update_samples)
-
-    def forward_backward(self, update: Update) -> None:
-        """The update, after torchft's quorum (which may heal this group) if fault tolerant."""
-        if self.torchft is not None:
-            self.torchft.start_update()
-        super().forward_backward(update)
+        return gated
 
     def shard_options(self, mesh: Any, amp: str | None) -> dict[str, Any]:
         """``fully_shard``'s keyword arguments under these options, over ``mesh``."""
@@ -389,12 +370,3 @@ class FSDP(Strategy):
             ("optimizer", ShardedOptimizer(self.model, self.optimizer), SHARDED),
             ("strategy", self, PER_RANK),
         ]
-
-    def state_dict(self) -> dict[str, Any]:
-        """torchft's step and committed batches (fault tolerant): a disk checkpoint resumes
-        them."""
-        return {"torchft": self.torchft.state_dict()} if self.torchft is not None else {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.torchft is not None and "torchft" in state:
-            self.torchft.load_state_dict(state["torchft"])

@@ -43,9 +43,11 @@ from fastdist.distributed import get_rank, get_world_size
 from fastdist.distributed.dtensor import local_shards
 from fastdist.logging import logger
 from fastdist.state import TrainerState
+from fastdist.strategies.base import Strategy, Update
 from fastdist.strategies.ft_comm import group_store
 from fastdist.strategies.same_model import (
     FIX,
+    PROCESSES,
     Signature,
     agree,
     check_same,
@@ -267,11 +269,12 @@ class ReplicaGroups:
     def _check_model(self) -> None:
         """At a new quorum: raise alike on every group in it if their models differ."""
         quorum = self.manager._quorum_id
+        processes = str(get_world_size())
         alone = self.manager.num_participants() == 1
         if (
             quorum != self.checked
             and not alone
-            and check_same(self.manager, self.index, self.model)
+            and check_same(self.manager, self.index, {**self.model, PROCESSES: processes})
         ):
             self.checked = quorum
         if self.odd_peer:  # the check could not run (a peer failed), or missed it
@@ -329,6 +332,50 @@ class ReplicaGroups:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.manager.load_state_dict(state)
+
+
+class FaultTolerantStrategy(Strategy):
+    """What ``DDP`` and ``FSDP`` share under ``fault_tolerant``: the launch's replica group,
+    torchft's quorum before each update, the averages across the groups, the heal's peer and
+    torchft's counters in the strategy's checkpoint part."""
+
+    torchft: ReplicaGroups | None = None
+
+    def _replica_options(self, strategy: str, fault_tolerant: bool, min_replicas: int) -> None:
+        self.fault_tolerant, self.min_replicas = fault_tolerant, min_replicas
+        self.replica_group = replica_layout(strategy, fault_tolerant, min_replicas)
+
+    def _join(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Any, timeout: float | None
+    ) -> tuple[Any, torch.optim.Optimizer]:
+        """Join torchft's replica groups (this group's ranks in ``group``): torchft's manager,
+        and ``optimizer`` stepping only on committed updates. The groups heal this strategy's
+        checkpoint parts from one another."""
+        index, count = self.replica_group
+        groups = ReplicaGroups(index, count, self.min_replicas, timeout or 60.0)
+        self.torchft = self.peer = groups
+        return groups.start(model, group), Gated(optimizer, groups)
+
+    def average_over_groups(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.torchft is None else self.torchft.average(tensor)
+
+    def bind(self, state: TrainerState, update_samples: Callable[[], list[int]]) -> None:
+        if self.torchft is not None:
+            self.torchft.bind(state, update_samples)
+
+    def forward_backward(self, update: Update) -> None:
+        """The update, after torchft's quorum (which may heal this group) if fault tolerant."""
+        if self.torchft is not None:
+            self.torchft.start_update()
+        super().forward_backward(update)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torchft's step and committed batches: a disk checkpoint resumes them."""
+        return {"torchft": self.torchft.state_dict()} if self.torchft is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.torchft is not None and "torchft" in state:
+            self.torchft.load_state_dict(state["torchft"])
 
 
 class Gated(torch.optim.Optimizer):
