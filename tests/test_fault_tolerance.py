@@ -7,7 +7,7 @@ torchrun restarts group 1, which heals from group 0 and trains to the end with i
 input, in process: no Lighthouse, missing launch variables, the words naming a model
 difference. A second launch: 2 groups of 2 processes under FSDP(fault_tolerant=True), group 1
 killed and healed rank by rank. In the long tier: a replica index used twice (two processes,
-the Lighthouse started here and stopped by PID), groups whose models differ, 2 groups of 2
+the Lighthouse started here and stopped by PID), groups whose models or sizes differ, 2 groups of 2
 processes under DDP, a Lighthouse lost or restarted. The long tier also kills a group while
 it heals, and finds groups apart with check_sync_every.
 """
@@ -223,6 +223,26 @@ def test_a_replica_index_used_twice_fails_on_both(lighthouse: str, tmp_path: Pat
         assert "FASTDIST_REPLICA_GROUP [0] is used by more than one" in result.output, (
             result.describe()
         )
+
+
+@pytest.mark.long
+def test_groups_of_different_sizes_fail_clearly(lighthouse: str, tmp_path: Path) -> None:
+    """Group 0 of 2 processes, group 1 of 1 (torchft pairs ranks one to one): both groups
+    fail at their first quorum, naming the sizes, instead of timing out on the unpaired rank."""
+    launches = []
+    for group, procs in enumerate((2, 1)):
+        env = {GROUP_VAR: str(group), GROUPS_VAR: "2", LIGHTHOUSE_VAR: lighthouse}
+        env["FT_PROCESSES"] = "3"  # the worker waits for every process before its first quorum
+        torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={procs}"]
+        torchrun += ["--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+        launches.append(Launch([*torchrun, str(WORKER), str(tmp_path)], env))
+    results = run_together(launches, 150)
+    for result in results:
+        assert result.returncode != 0, "\n".join(r.describe() for r in results)
+        assert "replica groups have different numbers of processes (group 0: 2, group 1: 1)" in (
+            result.output
+        ), "\n".join(r.describe() for r in results)
+    assert not list(tmp_path.glob("*.json")), "a group trained to the end"
 
 
 @pytest.mark.slow

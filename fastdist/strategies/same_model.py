@@ -14,6 +14,10 @@ from torch.distributed import ReduceOp
 
 Signature = dict[str, str]  # name -> "shape dtype" of every entry of a model's state_dict
 
+#: The entry of a group's signature that holds its number of processes: torchft pairs the
+#: groups' ranks one to one, so every group must have as many.
+PROCESSES = "(processes in the group)"
+
 FIX = (
     "every replica group must build the same model (the same parameter names, shapes and "
     "dtypes): fix the script or its arguments so that all groups build one model, then "
@@ -59,6 +63,15 @@ def check_same(manager: Any, index: int, mine: Signature) -> bool:
         return False
     groups = dict(json.loads(bytes(row).rstrip(b"\0")) for row in rows.tolist())
     first, *others = sorted(groups)
+    sizes = {g: groups[g].pop(PROCESSES, "?") for g in groups}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            "replica groups have different numbers of processes ("
+            + ", ".join(f"group {g}: {n}" for g, n in sorted(sizes.items()))
+            + "): torchft pairs each rank with the same rank of every other group; launch "
+            "every group with the same number of processes (python -m fastdist ft "
+            "--procs-per-group N), then restart every group"
+        )
     odd = [
         differences(groups[g], groups[first], f"group {g}", f"group {first}")
         for g in others

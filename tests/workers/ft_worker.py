@@ -179,10 +179,12 @@ def main() -> None:
 
 def _all_ready(out: Path) -> None:
     """Wait until every process of every group has built its trainer, so that the groups'
-    first quorum holds them all (one may start seconds after another here)."""
+    first quorum holds them all (one may start seconds after another here); ``FT_PROCESSES``:
+    how many the groups have in all, where they differ in size."""
     (out / f"ready.{os.getpid()}").touch()
-    expected = int(os.environ.get("FASTDIST_REPLICA_GROUPS", "1"))
-    _wait_for(out, "ready.*", expected * int(os.environ.get("WORLD_SIZE", "1")))
+    groups = int(os.environ.get("FASTDIST_REPLICA_GROUPS", "1"))
+    expected = groups * int(os.environ.get("WORLD_SIZE", "1"))
+    _wait_for(out, "ready.*", int(os.environ.get("FT_PROCESSES", expected)))
 
 
 def _wait_for(out: Path, pattern: str, count: int = 1, timeout: float = 90) -> None:
