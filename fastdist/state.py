@@ -54,7 +54,7 @@ class TrainerState:
         stop_requested: set by :meth:`DistTrainer.request_stop`; agreed across ranks at the next
             sync point.
         rolled_back: this run resumed from a checkpoint older than the newest one (a rollback
-            in place), or on another number of processes than the checkpoint's (the steps
+            in place), or on another number of data shards than the checkpoint's (the steps
             after it are not trained again identically): the steps after ``global_step``
             that were trained before belong to a discarded branch (logging backends must not
             keep them as this run's).

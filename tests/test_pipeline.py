@@ -307,6 +307,12 @@ def test_two_stages_train_one_process_model(one: dict[str, Any], pp2: list[dict[
     for resumed in ("ddp_resumed", "from_one"):
         assert ranks[0][resumed]["start_step"] == 3
         assert_like_one_process(ranks[0][resumed], one["plain"], best=resumed == "from_one")
+    # The data shards, not the processes, say whether the rest of the epoch was sharded anew:
+    # 2 stages (1 shard) -> DDP at 2 ranks (2 shards) was; 1 process -> 2 stages was not.
+    assert (ranks[0]["ddp_resumed"]["rolled_back"], ranks[0]["from_one"]["rolled_back"]) == (
+        True,
+        False,
+    )
     assert ranks[0]["uncut"] == ranks[1]["uncut"]
     assert "OutsideResidual cannot be cut into pipeline stages at ['blocks.2']" in ranks[0]["uncut"]
     assert "h = block(h), residual connections inside the blocks" in ranks[0]["uncut"]

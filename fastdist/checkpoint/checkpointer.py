@@ -48,8 +48,9 @@ from fastdist.logging import logger
 
 REPLICATED, PER_RANK, SHARDED = "replicated", "per_rank", "sharded"
 GATHERED = "gathered"
-#: The layout this module writes: {"format", "world_size", "parts", "per_rank", "sharded"}
-#: (the names of the parts in the DCP shards).
+#: The layout this module writes: {"format", "world_size", "data_shards", "parts", "per_rank",
+#: "sharded"} (the names of the parts in the DCP shards); ``data_shards`` (how many shards
+#: the data was split into) is absent from checkpoints older than it: ``world_size`` then.
 FORMAT = 2
 
 
@@ -100,6 +101,7 @@ class Resumed:
 
     path: str
     world_size: int
+    data_shards: int  # the data's shards in the run that wrote it
     rollback: bool = False  # newer checkpoints of the directory were set aside
 
 
@@ -114,6 +116,9 @@ class Checkpointer:
         mirror: another store every checkpoint is handed to, and resumed from when newer.
         background: write checkpoints in the background, on its group
             (:mod:`fastdist.checkpoint.background`); ``None``: each while training waits.
+        peer: heals every part from a live peer that is ahead (torchft's replica groups).
+        data_shards: how many shards the data is split into (the world size, but for ranks
+            that share one: a pipeline's stages, tensor-parallel peers).
     """
 
     def __init__(
@@ -125,6 +130,7 @@ class Checkpointer:
         mirror: Mirror | None = None,
         background: Background | None = None,
         peer: Peer | None = None,
+        data_shards: int | None = None,
     ) -> None:
         self.dir = CheckpointDir(directory, keep) if directory else None
         self.every = every
@@ -132,6 +138,7 @@ class Checkpointer:
         self.mirror = mirror
         self.background = background
         self.rank, self.world_size = get_rank(), get_world_size()
+        self.data_shards = data_shards or self.world_size
         self.parts: dict[str, Part] = {}
         self.peer = peer
         if peer is not None:
@@ -195,6 +202,7 @@ class Checkpointer:
             content = {
                 "format": FORMAT,
                 "world_size": self.world_size,
+                "data_shards": self.data_shards,
                 "parts": {**replicated, **whole},
                 "per_rank": {name: [states[name] for states in ranks] for name in own},
                 "sharded": [p.name for p in self._scoped(SHARDED)],
@@ -283,7 +291,7 @@ class Checkpointer:
         """
         resumed = self._restore_saved(resume)
         healed = None if self.peer is None else self.peer.join()  # a live peer may be ahead
-        return resumed if healed is None else Resumed(healed, self.world_size)
+        return resumed if healed is None else Resumed(healed, self.world_size, self.data_shards)
 
     def _restore_saved(self, resume: bool | str | os.PathLike) -> Resumed | None:
         """Restore every part from the checkpoint on disk that ``resume`` asks for."""
@@ -309,7 +317,8 @@ class Checkpointer:
             load_shards(sharded, path, self.group)
             for part in self._scoped(SHARDED):
                 part.obj.load_state_dict(sharded[part.name])
-        return Resumed(path, checkpoint["world_size"], rollback)
+        world_size = checkpoint["world_size"]
+        return Resumed(path, world_size, checkpoint.get("data_shards", world_size), rollback)
 
     def _remove_stale_temps(self) -> None:
         """Rank 0, once the ranks agreed on the checkpoint to resume from and before this run

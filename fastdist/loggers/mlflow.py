@@ -39,7 +39,7 @@ class MLflowLogger(Logger):
       at a held step, e.g. the evaluation after a pre-emption on an epoch's last update, is
       written);
     * a rollback (a resume from a checkpoint older than the newest one; the newer ones are
-      set aside), or a resume on another number of processes than the checkpoint's (its
+      set aside), or a resume on another number of data shards than the checkpoint's (its
       steps after the checkpoint are not trained again identically, so the killed run's
       values there are not this training's), continues in a *new* run, tagged
       ``fastdist.continues`` (the old run's id) and ``fastdist.continues_from_step`` (the

@@ -22,7 +22,7 @@ class WandbLogger(Logger):
 
     * a plain resume continues the same run (``resume="allow"``);
     * a rollback (a resume from a checkpoint older than the newest one, or one on another
-      number of processes than the checkpoint's: the steps after it are then not trained
+      number of data shards than the checkpoint's: the steps after it are then not trained
       again identically) starts a new run
       forked from the old one at the resumed step S (``fork_from="<old id>?_step=S"``: W&B
       gives it the old run's history up to S), with ``fastdist/continues`` (the old id) and

@@ -154,7 +154,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
         data=data,
         validator=_validator(args, strategy, evaluate, world),
         callbacks=_callbacks(args, world.rank == 0),
-        checkpointer=_checkpointer(options, world.group, state, write_group, strategy),
+        checkpointer=_checkpointer(options, world, state, write_group, strategy),
         rng=RandomState(world.rank),
         state=state,
         losses=losses,
@@ -297,7 +297,7 @@ def _callbacks(args: Arguments, is_master: bool) -> CallbackList:
 
 
 def _checkpointer(
-    options: TrainerOptions, group: Any, state: TrainerState, write_group: Any, strategy: Strategy
+    options: TrainerOptions, world: World, state: TrainerState, write_group: Any, strategy: Strategy
 ) -> Checkpointer:
     """Checkpoints in ``checkpoint_dir``, else ``<save_path>/checkpoints``, else none; in a
     Ray Train worker also reported to Ray (:mod:`~fastdist.trainer.ray_report`); with
@@ -315,7 +315,9 @@ def _checkpointer(
         )
     every, keep = options.checkpoint_every, options.keep_checkpoints
     background = Background(write_group) if options.checkpoint_async else None
-    return Checkpointer(directory, every, keep, group, mirror, background, strategy.peer)
+    return Checkpointer(
+        directory, every, keep, world.group, mirror, background, strategy.peer, world.data.size
+    )
 
 
 def _register_parts(run: Run) -> None:

@@ -315,7 +315,7 @@ class Loop:
     def _begin(self, resumed: Resumed | None) -> None:
         """Continue from a restored checkpoint, count the updates left, log the plan."""
         state, options, world = self.state, self.options, self.world
-        moved = resumed is not None and resumed.world_size != world.size
+        moved = resumed is not None and resumed.data_shards != world.data.size
         state.rolled_back = resumed is not None and (resumed.rollback or moved)
         global_batch = options.global_batch(world.data.size)
         mid_epoch = not state.epoch_complete and (state.samples_in_epoch or state.batches_in_epoch)
@@ -338,9 +338,11 @@ class Loop:
             if moved and world.rank == 0:
                 logger.warning(
                     "resuming a %d-process run on %d processes: the rest of the epoch is "
-                    "sharded anew; global batch now %d",
+                    "sharded anew (%d data shards, from %d); global batch now %d",
                     resumed.world_size,
                     world.size,
+                    world.data.size,
+                    resumed.data_shards,
                     global_batch,
                 )
         logger.info(

@@ -211,6 +211,7 @@ def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw:
     result: dict[str, Any] = {
         "steps": summary["steps"],
         "start_step": die.start_step,
+        "rolled_back": trainer.state.rolled_back,  # resumed on other data shards, among others
         "eval": trainer.evaluate(),
         "predict": trainer.predict(Sequences(N_DEV, seed=4, squash=True)),
     }
