@@ -257,7 +257,7 @@ class ReplicaGroups:
                 f"{LIGHTHOUSE_VAR}={os.environ[LIGHTHOUSE_VAR]} still running? Restart the job "
                 "(with save_path set, it resumes from the newest checkpoints)"
             ) from exc
-        ranks = list(getattr(self.manager._pg, "_global_ranks", None) or [])
+        ranks = self._quorum_ranks()
         if len(set(ranks)) != len(ranks):
             reused = sorted({r for r in ranks if ranks.count(r) > 1})
             raise ValueError(
@@ -265,6 +265,12 @@ class ReplicaGroups:
                 f"give each group its own index 0..{self.count - 1}"
             )
         self._check_model()
+
+    def _quorum_ranks(self) -> list[int]:
+        """The global ranks (group index x group size + rank) of this rank and its peers in
+        the quorum, read from torchft's process group: no public API of torchft 0.2.0 (the
+        version the ``ft`` extra pins) says which groups a quorum holds."""
+        return list(getattr(self.manager._pg, "_global_ranks", None) or [])
 
     def _check_model(self) -> None:
         """At a new quorum: raise alike on every group in it if their models differ."""
@@ -308,7 +314,7 @@ class ReplicaGroups:
     def commit(self) -> bool:
         """torchft's ``should_commit`` for this update; count the samples it lost."""
         committed = bool(self.manager.should_commit())
-        ranks = getattr(self.manager._pg, "_global_ranks", None) or [self.index * get_world_size()]
+        ranks = self._quorum_ranks() or [self.index * get_world_size()]
         groups = {rank // get_world_size() for rank in ranks} if committed else set()
         trained = len(groups)
         samples = self.update_samples()
