@@ -8,8 +8,9 @@ input, in process: no Lighthouse, missing launch variables, the words naming a m
 difference. A second launch: 2 groups of 2 processes under FSDP(fault_tolerant=True), group 1
 killed and healed rank by rank. In the long tier: a replica index used twice (two processes,
 the Lighthouse started here and stopped by PID), groups whose models or sizes differ, 2 groups of 2
-processes under DDP, a Lighthouse lost or restarted. The long tier also kills a group while
-it heals, and finds groups apart with check_sync_every.
+processes under DDP, a Lighthouse lost or restarted, a SLURM-requeued group with no live
+peer. The long tier also kills a group while it heals, and finds groups apart with
+check_sync_every.
 """
 
 from __future__ import annotations
@@ -243,6 +244,20 @@ def test_groups_of_different_sizes_fail_clearly(lighthouse: str, tmp_path: Path)
             result.output
         ), "\n".join(r.describe() for r in results)
     assert not list(tmp_path.glob("*.json")), "a group trained to the end"
+
+
+@pytest.mark.long
+def test_a_requeued_slurm_group_with_no_live_peer_stops(tmp_path: Path) -> None:
+    """A group that SLURM requeued (``SLURM_RESTART_COUNT=1``) after the other groups finished
+    finds no live group to heal from: it stops before training instead of training the job
+    again alone (as a group torchrun restarted does: test_ft_rules)."""
+    with _lighthouse(min_replicas=1) as (url, _):
+        env = {GROUP_VAR: "1", GROUPS_VAR: "2", LIGHTHOUSE_VAR: url, "SLURM_RESTART_COUNT": "1"}
+        env["FT_PROCESSES"] = "1"
+        (result,) = run_together([Launch([sys.executable, str(WORKER), str(tmp_path)], env)], 120)
+    assert result.returncode != 0, result.describe()
+    assert "replica group 1 was restarted (attempt 2) but no live replica group" in result.output
+    assert not list(tmp_path.glob("*.json")), "the requeued group trained"
 
 
 @pytest.mark.slow

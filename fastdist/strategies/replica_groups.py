@@ -61,6 +61,8 @@ GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR = (
     "FASTDIST_REPLICA_GROUPS",
     "TORCHFT_LIGHTHOUSE",
 )
+#: How many times this group was started again: by torchrun, by a SLURM requeue.
+RESTART_VARS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 LAUNCH_HINT = (
     "launch the groups with python -m fastdist ft --groups N SCRIPT (or set "
     f"{GROUP_VAR}, {GROUPS_VAR} and {LIGHTHOUSE_VAR} for each group's torchrun)"
@@ -217,7 +219,7 @@ class ReplicaGroups:
         self._quorum()
         self.joined = True  # the first update needs no quorum of its own
         healed, self.healed = self.healed, False
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        restarts = sum(int(os.environ.get(var, "0") or 0) for var in RESTART_VARS)
         if restarts and not healed and self.manager.num_participants() == 1:
             raise RuntimeError(
                 f"replica group {self.index} was restarted (attempt {restarts + 1}) but no live "
