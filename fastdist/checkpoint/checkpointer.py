@@ -350,7 +350,9 @@ class Checkpointer:
         if len(held) != len(self.parts):
             raise ValueError("healing from a peer takes replicated, per-rank and sharded parts")
         # A sharded part as this rank's local shards: the peer's matching rank holds the same.
-        return {part.name: local_shards(part.obj.state_dict()) for part in held}
+        # A part may send a peer other than what it saves (live_state_dict: e.g. a file's
+        # content instead of its path).
+        return {part.name: local_shards(_live_state(part.obj)) for part in held}
 
     def _load_live(self, state: dict[str, Any]) -> None:
         """Load what a peer's :meth:`_live_state` sent."""
@@ -358,7 +360,7 @@ class Checkpointer:
             received = state[part.name]
             if part.scope == SHARDED:
                 received = as_shards(received, part.obj.state_dict())
-            part.obj.load_state_dict(received)
+            _load_live_state(part.obj, received)
 
     def _check_saved(self, checkpoint: dict[str, Any], part: Part, path: str) -> None:
         """Raise (alike on every rank, before any collective) if ``part`` is not in the
@@ -387,3 +389,16 @@ class Checkpointer:
 
     def _scoped(self, scope: str) -> list[Part]:
         return [part for part in self.parts.values() if part.scope == scope]
+
+
+def _live_state(obj: Any) -> Any:
+    """What part ``obj`` sends a healing peer: its ``live_state_dict()`` if it has one."""
+    return obj.live_state_dict() if hasattr(obj, "live_state_dict") else obj.state_dict()
+
+
+def _load_live_state(obj: Any, state: Any) -> None:
+    """Load what :func:`_live_state` sent into part ``obj``."""
+    if hasattr(obj, "load_live_state_dict"):
+        obj.load_live_state_dict(state)
+    else:
+        obj.load_state_dict(state)

@@ -50,6 +50,21 @@ class ShardedOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state)
 
+    def live_state_dict(self) -> dict[str, Any]:
+        """What a healing peer group takes (torchft): as :meth:`state_dict`, but ``{}`` for
+        an optimizer that has not stepped yet. torch's ``get_optimizer_state_dict`` makes a
+        state for such an optimizer by stepping it once at learning rate 0, which counts as a
+        step for Adam's bias correction: torchft's first quorum heals every group from one
+        (its weights: the groups start alike), and both would then train another model."""
+        return self.state_dict() if self.optimizer.state else {}
+
+    def load_live_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`live_state_dict` sent (``{}``: the peer's optimizer is fresh)."""
+        if state:
+            self.load_state_dict(state)
+        else:
+            self.optimizer.state.clear()
+
 
 def gather_full(model: nn.Module, rank: int) -> dict[str, Any] | None:
     """The whole model's ``state_dict`` on rank 0's CPU, ``None`` elsewhere (a collective)."""
