@@ -20,9 +20,12 @@ class BestModel:
     exclusively (``-2``, ``-3``... appended if taken), so a run never overwrites another run's
     best model, even one sharing ``save_path`` and the second. A checkpoint part: it saves
     the file's path, or the weights it keeps in memory (rank 0's, so that a resumed run ends
-    with the best of the whole run, not of its own part).
+    with the best of the whole run, not of its own part). A torchft replica group that heals
+    from a peer takes the peer's best weights into a file of its own (the peer's may be on
+    another machine).
 
     Args:
+        metric_key: the metric the best is judged by (in the file's name).
         format: how the file is written (:data:`~fastdist.checkpoint.export.FORMATS`).
         group: the process group whose ranks agree on a failed write.
     """
@@ -32,10 +35,12 @@ class BestModel:
         strategy: Strategy,
         save_path: str | None,
         keep_in_memory: bool,
+        metric_key: str,
         format: str = "torch",
         group: Any = None,
     ) -> None:
         self.strategy = strategy
+        self.metric_key = metric_key
         self.group = group
         self.save_path = save_path
         self.keep_in_memory = keep_in_memory
@@ -43,7 +48,7 @@ class BestModel:
         self.path: str | None = None
         self._weights: dict[str, Any] | None = None
 
-    def save(self, metric_key: str) -> None:
+    def save(self) -> None:
         """Called on every rank when an evaluation is the best so far (FSDP gathers). A file
         that cannot be written (a full disk) raises the same ``OSError`` on every rank."""
         if self.save_path is None and not self.keep_in_memory:
@@ -53,9 +58,9 @@ class BestModel:
             if weights is not None:  # rank 0
                 self._weights = weights
             return
-        agreed(lambda: None if weights is None else self._write(weights, metric_key), self.group)
+        agreed(lambda: None if weights is None else self._write(weights), self.group)
 
-    def _write(self, weights: dict[str, Any], metric_key: str) -> None:
+    def _write(self, weights: dict[str, Any]) -> None:
         """Rank 0: write ``weights`` to the run's best-model file, claimed at its first call;
         on failure the file claimed then is removed, and the error names it."""
         claimed = self.path is None
@@ -63,7 +68,7 @@ class BestModel:
             assert self.save_path is not None
             stamp = time.strftime("%Y-%m-%d-%H-%M-%S")
             cls = model_class(self.strategy.model).__name__  # not FSDP's FSDP<Name>
-            stem = os.path.join(self.save_path, f"best_{cls}_{metric_key}_{stamp}")
+            stem = os.path.join(self.save_path, f"best_{cls}_{self.metric_key}_{stamp}")
             os.makedirs(self.save_path, exist_ok=True)
             self.path = claim_new(stem, SUFFIXES[self.format], folder=self.format == "hf")
         path = self.path
@@ -93,3 +98,22 @@ class BestModel:
         self.path = state["path"]
         if get_rank() == 0:  # only rank 0 keeps the weights (absent in format 1)
             self._weights = state.get("weights")
+
+    def live_state_dict(self) -> dict[str, Any]:
+        """What a healing peer group takes (torchft): the best weights themselves (rank 0's;
+        read from this group's file, which the peer may not see), not the file's path."""
+        weights = self._weights
+        if self.path is not None and get_rank() == 0:
+            weights = read_model(self.path, model_class(self.strategy.model))
+        return {"path": None, "weights": weights}
+
+    def load_live_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a peer group's best weights (:meth:`live_state_dict`): rank 0 writes them to
+        this group's own best-model file (claimed if it has none), or keeps them in memory."""
+        weights = state["weights"]
+        if get_rank() != 0 or weights is None:
+            return
+        if self.save_path is None:
+            self._weights = weights
+        else:  # no collective here: torchft heals on each rank alone
+            self._write(weights)

@@ -61,7 +61,7 @@ class Validator:
         if is_better:
             state.best_eval, state.best_epoch = result, state.epoch
             state.best_step = state.global_step
-            self.best.save(self.metric_key)
+            self.best.save()
         logger.info(
             "evaluation at epoch %d step %d: %s%s",
             state.epoch,

@@ -272,6 +272,7 @@ def _validator(args: Arguments, strategy: Strategy, forward: Any, world: World) 
         strategy,
         options.save_path,
         options.load_best_model,
+        args.metric_key,
         options.best_model_format,
         world.group,
     )
