@@ -241,6 +241,10 @@ class Strategy:
         """Context of a micro-batch whose gradients are not reduced (inside a window)."""
         return contextlib.nullcontext()
 
+    def skipped_update(self) -> None:
+        """The current update was skipped on every rank (non-finite, ``on_nonfinite="skip"``):
+        nothing applied it."""
+
     def after_step(self, step: int) -> None:
         """Called after optimizer update ``step`` (e.g. local SGD's parameter averaging)."""
 

@@ -133,6 +133,7 @@ class Loop:
         stages = self.world.topology.stage_group  # a pipeline's stages judge together
         if skip and not all_finite((p.grad for p in self.model.parameters()), stages):
             self._warn_skipped()
+            self.strategy.skipped_update()  # e.g. its samples count as lost (torchft)
             applied = False
         else:
             applied = self.precision.step(optimizer)
