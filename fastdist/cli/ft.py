@@ -5,8 +5,11 @@ It starts ``torchft_lighthouse`` on a free port, then one ``torchrun --standalon
 one fails, up to ``--max-restarts`` times), each with ``FASTDIST_REPLICA_GROUP``,
 ``FASTDIST_REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE`` set for a script that trains with
 ``DDP(fault_tolerant=True)`` or ``FSDP(fault_tolerant=True)``. It waits for every group,
-stops the Lighthouse by its PID and exits with the worst group's status. No launcher or
-rendezvous of its own: torchrun runs each group, torchft's Lighthouse joins them.
+stops the Lighthouse by its PID and exits with the worst group's status. A ``SIGTERM`` to it
+(a scheduler pre-empting the job) goes on to every group's torchrun, which hands it to its
+processes (each group checkpoints and stops, as a pre-empted torchrun job does); then the
+Lighthouse is stopped. No launcher or rendezvous of its own: torchrun runs each group,
+torchft's Lighthouse joins them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -75,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value < least:
             raise SystemExit(f"{option} {value}: need {least} or more")
+    if not os.path.isfile(args.script):
+        raise SystemExit(f"{args.script}: no such training script (give the path of a .py file)")
     binary = shutil.which("torchft_lighthouse") or str(
         Path(sys.executable).parent / "torchft_lighthouse"
     )
@@ -92,21 +98,33 @@ def run(args: argparse.Namespace) -> int:
         ]
     )
     groups: list[subprocess.Popen[bytes]] = []
+    signalled: list[int] = []
+
+    def pass_on(signum: int, _: Any) -> None:  # to each torchrun, which signals its processes
+        signalled.append(signum)
+        for group in groups:
+            if group.poll() is None:
+                group.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, pass_on)
     try:
         _wait_listening(port, lighthouse, 30.0)
         url = f"http://localhost:{port}"
         print(f"fastdist ft: Lighthouse at {url} (PID {lighthouse.pid})", flush=True)
         for index in range(args.groups):
+            if signalled:  # pre-empted while starting: start no more
+                break
             env = {**os.environ, GROUP_VAR: str(index), GROUPS_VAR: str(args.groups)}
             env[LIGHTHOUSE_VAR] = url
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
             cmd += [f"--nproc-per-node={args.procs_per_group}"]
             cmd += [f"--max-restarts={args.max_restarts}"]
             groups.append(subprocess.Popen([*cmd, args.script, *args.script_args], env=env))
-        return max(group.wait() for group in groups)
+        return max([group.wait() for group in groups] or [128 + signal.SIGTERM])
     finally:
         for proc in [*groups, lighthouse]:
             _stop(proc)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _free_port() -> int:
