@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -61,6 +62,8 @@ GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR = (
     "FASTDIST_REPLICA_GROUPS",
     "TORCHFT_LIGHTHOUSE",
 )
+#: Seconds between the quorums of a group's first start that wait for the job's other groups.
+JOIN_POLL_S = 0.5
 #: How many times this group was started again: by torchrun, by a SLURM requeue.
 RESTART_VARS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 LAUNCH_HINT = (
@@ -215,12 +218,16 @@ class ReplicaGroups:
 
     def join(self) -> str | None:
         """The first quorum, before training: heal from a peer if one is ahead; return where
-        the state came from (``None``: this group's own)."""
+        the state came from (``None``: this group's own). A group's first start waits (at
+        most ``timeout``) for the job's other groups: a quorum formed before they start would
+        train its first updates alone and count their samples lost."""
+        restarts = sum(int(os.environ.get(var, "0") or 0) for var in RESTART_VARS)
         self._quorum()
+        if not restarts:
+            self._wait_for_groups()
         self.joined = True  # the first update needs no quorum of its own
         healed, self.healed = self.healed, False
-        restarts = sum(int(os.environ.get(var, "0") or 0) for var in RESTART_VARS)
-        if restarts and not healed and self.manager.num_participants() == 1:
+        if restarts and self.count > 1 and not healed and self.manager.num_participants() == 1:
             raise RuntimeError(
                 f"replica group {self.index} was restarted (attempt {restarts + 1}) but no live "
                 "replica group is there to heal it: the others have finished or failed, and "
@@ -229,6 +236,26 @@ class ReplicaGroups:
                 "checkpoints)"
             )
         return f"a peer replica group at step {self.manager.current_step()}" if healed else None
+
+    def _wait_for_groups(self) -> None:
+        """Form quorums until every group of the job is in one, for ``timeout`` seconds at
+        most (the ranks of a group see the same quorums, so they try alike); then go on with
+        the groups there: the others heal from them when they join."""
+        for _ in range(int(self.timeout / JOIN_POLL_S)):
+            if self.manager.num_participants() >= self.count:
+                return
+            time.sleep(JOIN_POLL_S)
+            self._quorum()
+        if self.manager.num_participants() < self.count:
+            logger.warning(
+                "replica group %d starts with %d of the job's %d groups after waiting %g s for "
+                "the others (timeout): they heal from it when they join, and the samples of "
+                "the updates they miss count as lost",
+                self.index,
+                self.manager.num_participants(),
+                self.count,
+                self.timeout,
+            )
 
     def start_update(self) -> None:
         """A quorum before an update's forward: reconfigure the groups. A group behind the
@@ -253,11 +280,22 @@ class ReplicaGroups:
         try:
             self.manager.start_quorum()
         except Exception as exc:  # torchft's quorum call to the Lighthouse, bounded by timeout
+            url = os.environ[LIGHTHOUSE_VAR]
+            try:
+                check_reachable(url, 5.0)
+                cause = f"the Lighthouse at {LIGHTHOUSE_VAR}={url} answers, but " + (
+                    f"fewer than min_replicas={self.min_replicas} replica groups joined the "
+                    "quorum: the others have failed or finished (restart them, or lower "
+                    "min_replicas)"
+                    if self.min_replicas > 1
+                    else "not every rank of this group asked for the quorum (one is stuck)"
+                )
+            except RuntimeError:
+                cause = f"is the Lighthouse at {LIGHTHOUSE_VAR}={url} still running?"
             raise RuntimeError(
                 f"replica group {self.index} got no torchft quorum within {self.timeout:g} s "
-                f"({type(exc).__name__}: {exc}): is the Lighthouse at "
-                f"{LIGHTHOUSE_VAR}={os.environ[LIGHTHOUSE_VAR]} still running? Restart the job "
-                "(with save_path set, it resumes from the newest checkpoints)"
+                f"({type(exc).__name__}: {exc}): {cause}. Restart the job (with save_path set, "
+                "it resumes from the newest checkpoints)"
             ) from exc
         ranks = self._quorum_ranks()
         if len(set(ranks)) != len(ranks):
@@ -334,6 +372,12 @@ class ReplicaGroups:
         self.trained = trained
         return committed
 
+    def skipped(self) -> None:
+        """An update skipped as non-finite (by every group in the quorum: they average one
+        gradient): every group's samples of it count as lost."""
+        if self.state is not None:
+            self.state.lost_samples += sum(self.update_samples())
+
     def state_dict(self) -> dict[str, int]:
         """torchft's step and committed batches: a disk checkpoint resumes them."""
         return dict(self.manager.state_dict())
@@ -376,6 +420,10 @@ class FaultTolerantStrategy(Strategy):
         if self.torchft is not None:
             self.torchft.start_update()
         super().forward_backward(update)
+
+    def skipped_update(self) -> None:
+        if self.torchft is not None:
+            self.torchft.skipped()
 
     def state_dict(self) -> dict[str, Any]:
         """torchft's step and committed batches: a disk checkpoint resumes them."""
