@@ -31,6 +31,7 @@ from launch import TESTS_DIR, Launch, free_port, run_together, started
 from torch.utils.data import TensorDataset
 
 from fastdist import DistTrainer
+from fastdist.cli.ft import wait_listening
 from fastdist.strategies import DDP, FSDP
 from fastdist.strategies.replica_groups import GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR
 from fastdist.strategies.same_model import differences, signature
@@ -191,8 +192,8 @@ def _check_accounting(run: dict[str, Any], per_update: int = BATCH) -> None:
 def _lighthouse(
     min_replicas: int, port: int | None = None
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A torchft Lighthouse on ``port`` (default a free one): its URL and process, stopped
-    by its PID."""
+    """A torchft Lighthouse on ``port`` (default a free one), listening: its URL and
+    process, stopped by its PID."""
     port = port or free_port()
     binary = Path(sys.executable).parent / "torchft_lighthouse"
     proc = subprocess.Popen(
@@ -202,6 +203,7 @@ def _lighthouse(
         stderr=subprocess.DEVNULL,
     )
     try:
+        wait_listening(port, proc, 30.0)  # the groups check it answers at their start
         yield f"http://localhost:{port}", proc
     finally:
         proc.kill()

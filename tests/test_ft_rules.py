@@ -30,7 +30,7 @@ from torch.utils.data import IterableDataset
 
 from fastdist import DistTrainer
 from fastdist.cli import main as cli_main
-from fastdist.cli.ft import _wait_listening
+from fastdist.cli.ft import wait_listening
 from fastdist.strategies import DDP, FSDP
 from fastdist.strategies.replica_groups import GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR
 
@@ -273,7 +273,7 @@ def test_a_group_behind_that_heals_across_an_epoch_trains_the_job_once(tmp_path:
     (it labels update 33 epoch 2 where group 0 is in epoch 3), trains past the job's 48
     updates (to 73, the last 25 alone, after group 0 ended), writes checkpoints of steps 72
     and 73, and ends with other parameters; the launch exits 0. Since the second audit, a
-    group's first start waits (up to the trainer's timeout) for the job's other groups: group
+    group's start waits (up to the trainer's timeout) for the job's other groups: group
     1 waits for group 0 and heals at its start, at group 0's position, instead of training
     alone, falling behind and stopping to be restarted."""
     save = str(tmp_path / "save")
@@ -307,7 +307,7 @@ def _lighthouse(min_replicas: int = 1) -> Iterator[str]:
     cmd += ["--join_timeout_ms=1000", "--quorum_tick_ms=100"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_listening(port, proc, 30.0)  # before the next free_port() (it may pick this one)
+        wait_listening(port, proc, 30.0)  # before the next free_port() (it may pick this one)
         yield f"http://localhost:{port}"
     finally:
         proc.kill()

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, pass_on)
     try:
-        _wait_listening(port, lighthouse, 30.0)
+        wait_listening(port, lighthouse, 30.0)
         url = f"http://localhost:{port}"
         print(f"fastdist ft: Lighthouse at {url} (PID {lighthouse.pid})", flush=True)
         for index in range(args.groups):
@@ -133,7 +133,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
     """Wait until ``proc`` (the Lighthouse) accepts connections on ``port``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -62,7 +62,7 @@ GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR = (
     "FASTDIST_REPLICA_GROUPS",
     "TORCHFT_LIGHTHOUSE",
 )
-#: Seconds between the quorums of a group's first start that wait for the job's other groups.
+#: Seconds between the quorums of a group's start that wait for the job's other groups.
 JOIN_POLL_S = 0.5
 #: How many times this group was started again: by torchrun, by a SLURM requeue.
 RESTART_VARS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
@@ -218,13 +218,13 @@ class ReplicaGroups:
 
     def join(self) -> str | None:
         """The first quorum, before training: heal from a peer if one is ahead; return where
-        the state came from (``None``: this group's own). A group's first start waits (at
-        most ``timeout``) for the job's other groups: a quorum formed before they start would
-        train its first updates alone and count their samples lost."""
+        the state came from (``None``: this group's own). A group's start waits (at most
+        ``timeout``) for the job's other groups: a quorum formed before they start would train
+        its first updates alone and count their samples lost; and a restarted group alone may
+        be one of a whole job restarted (each group requeued), not the last one left."""
         restarts = sum(int(os.environ.get(var, "0") or 0) for var in RESTART_VARS)
         self._quorum()
-        if not restarts:
-            self._wait_for_groups()
+        self._wait_for_groups()
         self.joined = True  # the first update needs no quorum of its own
         healed, self.healed = self.healed, False
         if restarts and self.count > 1 and not healed and self.manager.num_participants() == 1:
