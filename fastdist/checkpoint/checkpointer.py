@@ -48,9 +48,8 @@ from fastdist.logging import logger
 
 REPLICATED, PER_RANK, SHARDED = "replicated", "per_rank", "sharded"
 GATHERED = "gathered"
-#: The layout this module writes: {"format", "world_size", "data_shards", "parts", "per_rank",
-#: "sharded"} (the names of the parts in the DCP shards); ``data_shards`` (how many shards
-#: the data was split into) is absent from checkpoints older than it: ``world_size`` then.
+#: The layout this module writes: {"format", "world_size", "data_shards" (older: absent, the
+#: world size), "parts", "per_rank", "sharded"} (the names of the parts in the DCP shards).
 FORMAT = 2
 
 
@@ -393,12 +392,9 @@ class Checkpointer:
 
 def _live_state(obj: Any) -> Any:
     """What part ``obj`` sends a healing peer: its ``live_state_dict()`` if it has one."""
-    return obj.live_state_dict() if hasattr(obj, "live_state_dict") else obj.state_dict()
+    return getattr(obj, "live_state_dict", obj.state_dict)()
 
 
 def _load_live_state(obj: Any, state: Any) -> None:
     """Load what :func:`_live_state` sent into part ``obj``."""
-    if hasattr(obj, "load_live_state_dict"):
-        obj.load_live_state_dict(state)
-    else:
-        obj.load_state_dict(state)
+    getattr(obj, "load_live_state_dict", obj.load_state_dict)(state)

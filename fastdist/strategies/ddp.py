@@ -14,8 +14,8 @@ from fastdist.checkpoint import PER_RANK
 from fastdist.checks import check_bool, check_choice, check_int, check_number
 from fastdist.distributed import get_world_size, is_distributed
 from fastdist.logging import logger
+from fastdist.strategies.fault_tolerant import FaultTolerantStrategy
 from fastdist.strategies.ft_comm import wrap_ddp
-from fastdist.strategies.replica_groups import FaultTolerantStrategy
 from fastdist.strategies.topology import Topology
 
 if TYPE_CHECKING:  # the hooks are imported when set

@@ -19,7 +19,7 @@ from fastdist.distributed import get_rank, get_world_size, is_distributed
 from fastdist.distributed.dtensor import is_fsdp_module, local_shards
 from fastdist.logging import logger
 from fastdist.strategies.blocks import checkpoint_blocks, compile_blocks, find_blocks, plain_name
-from fastdist.strategies.replica_groups import FaultTolerantStrategy
+from fastdist.strategies.fault_tolerant import FaultTolerantStrategy
 from fastdist.strategies.topology import Topology
 
 if TYPE_CHECKING:  # torch's FSDP and DTensor packages (~0.6 s) are imported when used

@@ -6,13 +6,13 @@ torchft Lighthouse. Every update starts with a torchft quorum
 (:meth:`ReplicaGroups.start_update`), its gradients are averaged within the group by torch
 and across the groups in the quorum over torchft's ``ProcessGroupGloo``
 (:mod:`~fastdist.strategies.ft_comm`), and it is applied only where torchft's
-``should_commit`` agrees (:class:`Gated`). A group that joins behind the others receives
-every checkpoint part of a healthy group through torchft's checkpoint transport, each rank
-from the same rank of the healthy group (its own shard, under FSDP): the same ``state_dict``
-contract as a checkpoint on disk; nothing is read from disk. It heals only at its start
-(:meth:`ReplicaGroups.join`), where the trainer takes up the peer's position; found behind
-later, or restarted with no live peer, it stops with an error rather than train the job
-from the wrong place.
+``should_commit`` agrees (:class:`~fastdist.strategies.fault_tolerant.Gated`). A group that
+joins behind the others receives every checkpoint part of a healthy group through torchft's
+checkpoint transport, each rank from the same rank of the healthy group (its own shard,
+under FSDP): the same ``state_dict`` contract as a checkpoint on disk; nothing is read from
+disk. It heals only at its start (:meth:`ReplicaGroups.join`), where the trainer takes up
+the peer's position; found behind later, or restarted with no live peer, it stops with an
+error rather than train the job from the wrong place.
 
 The launch says which group a process belongs to: ``FASTDIST_REPLICA_GROUP`` (its index, from
 0), ``FASTDIST_REPLICA_GROUPS`` (how many the job has) and ``TORCHFT_LIGHTHOUSE`` (the
@@ -44,7 +44,6 @@ from fastdist.distributed import get_rank, get_world_size
 from fastdist.distributed.dtensor import local_shards
 from fastdist.logging import logger
 from fastdist.state import TrainerState
-from fastdist.strategies.base import Strategy, Update
 from fastdist.strategies.ft_comm import group_store
 from fastdist.strategies.same_model import (
     FIX,
@@ -384,98 +383,3 @@ class ReplicaGroups:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.manager.load_state_dict(state)
-
-
-class FaultTolerantStrategy(Strategy):
-    """What ``DDP`` and ``FSDP`` share under ``fault_tolerant``: the launch's replica group,
-    torchft's quorum before each update, the averages across the groups, the heal's peer and
-    torchft's counters in the strategy's checkpoint part."""
-
-    torchft: ReplicaGroups | None = None
-
-    def _replica_options(self, strategy: str, fault_tolerant: bool, min_replicas: int) -> None:
-        self.fault_tolerant, self.min_replicas = fault_tolerant, min_replicas
-        self.replica_group = replica_layout(strategy, fault_tolerant, min_replicas)
-
-    def _join(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Any, timeout: float | None
-    ) -> tuple[Any, torch.optim.Optimizer]:
-        """Join torchft's replica groups (this group's ranks in ``group``): torchft's manager,
-        and ``optimizer`` stepping only on committed updates. The groups heal this strategy's
-        checkpoint parts from one another."""
-        index, count = self.replica_group
-        groups = ReplicaGroups(index, count, self.min_replicas, timeout or 60.0)
-        self.torchft = self.peer = groups
-        return groups.start(model, group), Gated(optimizer, groups)
-
-    def average_over_groups(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.torchft is None else self.torchft.average(tensor)
-
-    def bind(self, state: TrainerState, update_samples: Callable[[], list[int]]) -> None:
-        if self.torchft is not None:
-            self.torchft.bind(state, update_samples)
-
-    def forward_backward(self, update: Update) -> None:
-        """The update, after torchft's quorum (which may heal this group) if fault tolerant."""
-        if self.torchft is not None:
-            self.torchft.start_update()
-        super().forward_backward(update)
-
-    def skipped_update(self) -> None:
-        if self.torchft is not None:
-            self.torchft.skipped()
-
-    def state_dict(self) -> dict[str, Any]:
-        """torchft's step and committed batches: a disk checkpoint resumes them."""
-        return {"torchft": self.torchft.state_dict()} if self.torchft is not None else {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.torchft is not None and "torchft" in state:
-            self.torchft.load_state_dict(state["torchft"])
-
-
-class Gated(torch.optim.Optimizer):
-    """``optimizer`` stepped only when torchft commits the update (``step`` returns whether
-    it did); everything else is the wrapped optimizer's."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: ReplicaGroups) -> None:
-        self.optim, self.groups = optimizer, groups
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optim.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optim.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optim.defaults
-
-    def step(self, closure: Any = None) -> bool:  # type: ignore[override]
-        if closure is not None:
-            raise ValueError("fault_tolerant=True takes optimizers without a closure")
-        if not self.groups.commit():
-            return False
-        self.optim.step()
-        return True
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad``."""
-        self.optim.zero_grad(set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state."""
-        return self.optim.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load the wrapped optimizer's state."""
-        self.optim.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the wrapped optimizer."""
-        self.optim.add_param_group(param_group)
-
-    def __repr__(self) -> str:
-        return f"Gated({self.optim!r})"

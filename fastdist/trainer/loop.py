@@ -9,7 +9,6 @@ import time
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-import torch
 from torch.utils.data import Dataset
 
 from fastdist.callbacks.callback import TrainerView
@@ -21,7 +20,7 @@ from fastdist.trainer.build import Run
 from fastdist.trainer.failure import report_failure
 from fastdist.trainer.preemption import report_preempted, requeue
 from fastdist.trainer.progress import Progress
-from fastdist.trainer.safety import all_finite, check_in_sync, failing_ranks
+from fastdist.trainer.safety import all_finite, check_in_sync, warn_skipped
 from fastdist.trainer.sync import Agreement
 from fastdist.trainer.update import Update
 
@@ -132,7 +131,7 @@ class Loop:
         skip = self.options.on_nonfinite == "skip" and self.precision.scaler is None
         stages = self.world.topology.stage_group  # a pipeline's stages judge together
         if skip and not all_finite((p.grad for p in self.model.parameters()), stages):
-            self._warn_skipped()
+            warn_skipped(self.losses.window_loss(), self.state, self.world.group)
             self.strategy.skipped_update()  # e.g. its samples count as lost (torchft)
             applied = False
         else:
@@ -154,18 +153,6 @@ class Loop:
             replicas = self.strategy.replicas(state.global_step)
             check_in_sync(replicas, state.global_step, self.world.group, self.world.topology.copies)
         return True
-
-    def _warn_skipped(self) -> None:
-        """Warn that this update is skipped on every rank, naming the ranks with a NaN/Inf loss."""
-        finite = bool(torch.isfinite(self.losses.window_loss()))
-        culprits = list(failing_ranks(None if finite else True, self.world.group))
-        logger.warning(
-            "non-finite loss or gradient at epoch %d update %d; ranks with a non-finite loss: "
-            "%s: skipping this update on every rank",
-            self.state.epoch,
-            self.state.global_step + 1,
-            culprits,
-        )
 
     def log_step(self, wait: bool) -> Agreement | None:
         """Start the log step's all-reduce (mean loss, timings, stop and NaN flags); read it

@@ -9,6 +9,8 @@ import torch
 
 from fastdist.distributed import all_gather_object
 from fastdist.distributed.norms import global_norm
+from fastdist.logging import logger
+from fastdist.state import TrainerState
 
 
 def all_finite(tensors: Iterable[torch.Tensor | None], group: Any = None) -> bool:
@@ -57,3 +59,17 @@ def check_even_shards(n_batches: int, group: Any) -> None:
             f"({counts}, by rank): DDP would hang when one rank runs out. Use the default "
             "sampler (sampler=None) or make every rank's shard the same size"
         )
+
+
+def warn_skipped(window_loss: torch.Tensor, state: TrainerState, group: Any) -> None:
+    """Warn that this update is skipped on every rank, naming the ranks whose loss
+    (``window_loss``, the update's) is NaN/Inf (a collective)."""
+    finite = bool(torch.isfinite(window_loss))
+    culprits = list(failing_ranks(None if finite else True, group))
+    logger.warning(
+        "non-finite loss or gradient at epoch %d update %d; ranks with a non-finite loss: "
+        "%s: skipping this update on every rank",
+        state.epoch,
+        state.global_step + 1,
+        culprits,
+    )
