@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from ft_runs import records, run_ft
 from launch import _TOKEN_VAR, TESTS_DIR, Launch, run_together, started
 
 pytest.importorskip("torchft")
@@ -33,26 +34,9 @@ FT = ["--heartbeat-timeout-ms", "1000", "--max-restarts", "2"]
 
 
 def _ft(out: Path, ft_args: list[str], worker_args: list[str], timeout: float = 240) -> Any:
-    """``python -m fastdist ft --groups 2 FT_ARGS worker -- OUT WORKER_ARGS``: the launch's
-    result and every attempt's records by ``group<G>.rank<R>.attempt<A>``."""
-    out.mkdir(parents=True, exist_ok=True)
-    cli = [sys.executable, "-m", "fastdist", "ft", "--groups", "2", *ft_args]
-    (result,) = run_together([Launch([*cli, str(WORKER), "--", str(out), *worker_args])], timeout)
-    return result, _records(out)
-
-
-def _records(out: Path) -> dict[str, dict[str, Any]]:
-    records: dict[str, dict[str, Any]] = {}
-    for path in sorted(out.glob("*.jsonl")):
-        lines = [json.loads(line) for line in path.read_text().splitlines()]
-        records[path.stem] = {
-            "updates": [u for u in lines if "groups" in u],
-            "micro": [u for u in lines if "micro_loss" in u],
-            "begin": next((u["begin"] for u in lines if "begin" in u), None),
-        }
-    for path in out.glob("*.json"):
-        records.setdefault(path.stem, {}).update(json.loads(path.read_text()))
-    return records
+    """This file's worker under ``fastdist ft`` (:func:`ft_runs.run_ft`); records by
+    ``group<G>.rank<R>.attempt<A>``."""
+    return run_ft(WORKER, out, ft_args, worker_args, timeout)
 
 
 def _flat(params: dict[str, list[float]]) -> torch.Tensor:
@@ -90,7 +74,7 @@ def test_fsdp_groups_of_two_with_adamw_train_as_one_process(tmp_path: Path) -> N
     assert all(u["groups"] == 2 for g in groups for u in g["updates"]), "an update alone"
     assert groups[0]["steps"] == 8 and groups[0]["epochs"] == {"1": 0}
     assert groups[0]["params"] == groups[1]["params"]
-    expected = _flat(_records(plain_out)["group0.rank0.attempt0"]["params"])
+    expected = _flat(records(plain_out)["group0.rank0.attempt0"]["params"])
     got = _flat(groups[0]["params"])
     assert torch.allclose(got, expected, atol=1e-9), f"max diff {(got - expected).abs().max()}"
 
@@ -122,7 +106,7 @@ def test_a_failure_free_launch_trains_every_sample_as_one_process(tmp_path: Path
     alone = [u["step"] for u in groups[0]["updates"] if u["groups"] != 2]
     assert not alone, f"updates {alone} committed by fewer than 2 groups, no group failed"
     assert groups[0]["epochs"] == {"1": 0}, f"samples lost per epoch: {groups[0]['epochs']}"
-    expected = _flat(_records(plain_out)["group0.rank0.attempt0"]["params"])
+    expected = _flat(records(plain_out)["group0.rank0.attempt0"]["params"])
     assert torch.allclose(_flat(groups[0]["params"]), expected, atol=1e-9)
 
 
@@ -279,7 +263,7 @@ def test_a_single_group_restarted_by_torchrun_resumes_from_its_checkpoint(tmp_pa
     (result,) = run_together([Launch(cli)], 180)
     assert "no live replica group is there to heal it" not in result.output
     assert result.returncode == 0, result.describe()[-6000:]
-    assert _records(out)["group0.rank0.attempt1"]["steps"] == 32
+    assert records(out)["group0.rank0.attempt1"]["steps"] == 32
 
 
 # 8. Samples counted neither trained nor lost: an update skipped as non-finite.

@@ -15,7 +15,6 @@ scenarios are in the long tier (``python -m pytest -m long tests/test_ft_rules.p
 from __future__ import annotations
 
 import contextlib
-import json
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from ft_runs import records, run_ft
 from launch import TESTS_DIR, Launch, free_port, run_together, started
 from torch.utils.data import IterableDataset
 
@@ -40,13 +40,9 @@ WORKER = TESTS_DIR / "workers" / "ft_rules_worker.py"
 
 
 def _ft(out: Path, ft_args: list[str], worker_args: list[str], timeout: float = 240) -> Any:
-    """``python -m fastdist ft --groups 2 FT_ARGS worker -- OUT WORKER_ARGS``: the launch and
-    every attempt's records (``group<G>.attempt<A>``: its updates and batches as they happened,
-    and its end record where it ended)."""
-    out.mkdir(parents=True, exist_ok=True)
-    cli = [sys.executable, "-m", "fastdist", "ft", "--groups", "2", *ft_args]
-    (result,) = run_together([Launch([*cli, str(WORKER), "--", str(out), *worker_args])], timeout)
-    return result, _records(out)
+    """This file's worker under ``fastdist ft`` (:func:`ft_runs.run_ft`); records by
+    ``group<G>.attempt<A>``."""
+    return run_ft(WORKER, out, ft_args, worker_args, timeout)
 
 
 def _plain(out: Path, worker_args: list[str]) -> dict[str, Any]:
@@ -55,21 +51,7 @@ def _plain(out: Path, worker_args: list[str]) -> dict[str, Any]:
     cmd = [sys.executable, str(WORKER), str(out), "--plain", *worker_args]
     (result,) = run_together([Launch(cmd)], 120)
     assert result.returncode == 0, result.describe()
-    return _records(out)["group0.attempt0"]
-
-
-def _records(out: Path) -> dict[str, dict[str, Any]]:
-    records: dict[str, dict[str, Any]] = {}
-    for path in sorted(out.glob("*.jsonl")):
-        lines = [json.loads(line) for line in path.read_text().splitlines()]
-        records[path.stem] = {
-            "updates": [u for u in lines if "groups" in u],
-            "batches": [u for u in lines if "batch" in u],
-            "begin": next((u["begin"] for u in lines if "begin" in u), None),
-        }
-    for path in out.glob("*.json"):
-        records.setdefault(path.stem, {}).update(json.loads(path.read_text()))
-    return records
+    return records(out)["group0.attempt0"]
 
 
 def _flat(params: list[list[float]]) -> torch.Tensor:
@@ -105,7 +87,7 @@ def together(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
         results = run_together([*groups, plain, Launch([*lone, "--pause", "0"], env)], 240)
     for result in results:
         assert result.returncode == 0, result.describe()[-6000:]
-    return {name: _records(out / name) for name in ("ft", "plain", "alone")}
+    return {name: records(out / name) for name in ("ft", "plain", "alone")}
 
 
 @pytest.mark.slow
@@ -354,7 +336,7 @@ def test_a_restarted_lighthouse_recovers_or_fails_clearly(tmp_path: Path) -> Non
     finally:
         lighthouse.kill()
         lighthouse.wait()
-    runs = _records(tmp_path)
+    runs = records(tmp_path)
     if codes == [0, 0]:
         assert runs["group0.attempt0"]["params"] == runs["group1.attempt0"]["params"]
     else:
