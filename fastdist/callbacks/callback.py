@@ -126,6 +126,14 @@ class Callback:
 
 
 HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))  # in loop order
+#: The hooks called for each micro-batch (plain calls: no rank waits for another in them).
+PER_MICRO_BATCH = (
+    "on_batch_begin",
+    "on_loss_begin",
+    "on_backward_begin",
+    "on_backward_end",
+    "on_batch_end",
+)
 
 
 class CallbackList:
@@ -167,6 +175,9 @@ class CallbackList:
             for hook in HOOKS
         }
         self.current: str | None = None  # the hook running now, for failure reports
+        for hook in PER_MICRO_BATCH:  # called up to five times per micro-batch: when no
+            if not self.hooks[hook]:  # callback answers one, it costs no Python call
+                setattr(self, hook, _nothing)
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """``{"all": {key: state}, "master": {key: state}}`` of the callbacks with a state
@@ -257,6 +268,10 @@ class CallbackList:
 
     def on_exception(self, exception: BaseException) -> None:
         self._call("on_exception", exception)
+
+
+def _nothing(*_args: Any) -> None:
+    """A per-micro-batch hook that no callback answers."""
 
 
 def answers(cb: Callback, hook: str) -> bool:

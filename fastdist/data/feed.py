@@ -14,12 +14,15 @@ def to_device(batch: Any, device: torch.device) -> Any:
     """Copy every tensor in a (nested) dict, list or tuple batch to ``device``."""
     if isinstance(batch, torch.Tensor):  # one already there is kept (no dispatch: 2 us)
         return batch if batch.device == device else batch.to(device, non_blocking=True)
+    kind = type(batch)
+    if kind is tuple or kind is list:  # the common case first: no ABC check
+        return kind([to_device(v, device) for v in batch])
     if isinstance(batch, Mapping):
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(to_device(v, device) for v in batch))
+        return kind(*(to_device(v, device) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
+        return kind(to_device(v, device) for v in batch)
     return batch
 
 
@@ -68,6 +71,8 @@ def make_forward(model: nn.Module, evaluation: bool = False) -> Callable[[nn.Mod
     def forward(module: nn.Module, batch: Any) -> Any:
         nonlocal unchecked
         call = module if method == "forward" else getattr(module, method)
+        if type(batch) is tuple or type(batch) is list:  # the common case: no ABC check
+            return call(*batch[:-1]) if len(batch) > 1 else call(batch[0])
         if isinstance(batch, Mapping):
             if unchecked:
                 check_batch_fields(list(batch), params, forward_name)

@@ -25,6 +25,9 @@ from fastdist.state import TrainerState
 from fastdist.strategies.blocks import checkpoint_blocks, find_blocks
 from fastdist.strategies.topology import Topology
 
+#: A context that does nothing, made once (entered per micro-batch).
+NO_CONTEXT = contextlib.nullcontext()
+
 
 class Update(Protocol):
     """One optimizer update's micro-batches, as the training loop hands them to
@@ -233,13 +236,13 @@ class Strategy:
         backward, when every micro-batch's gradients are accumulated.
         """
         for batch in update:
-            with contextlib.nullcontext() if update.last else self.no_sync():
+            with NO_CONTEXT if update.last else self.no_sync():
                 update.loss(update.forward(self.module, batch), batch).backward()
             update.end()
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Context of a micro-batch whose gradients are not reduced (inside a window)."""
-        return contextlib.nullcontext()
+        return NO_CONTEXT
 
     def skipped_update(self) -> None:
         """The current update was skipped on every rank (non-finite, ``on_nonfinite="skip"``):

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: The context of a forward in fp32: nothing, made once (it is entered twice per micro-batch).
+FP32 = contextlib.nullcontext()
 
 
 class Precision:
@@ -28,7 +30,7 @@ class Precision:
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context the forward pass and the loss run in."""
         if self.amp is None:
-            return contextlib.nullcontext()
+            return FP32
         return torch.autocast(self.device_type, dtype=_DTYPES[self.amp])
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:

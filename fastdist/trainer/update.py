@@ -20,9 +20,6 @@ from torch import nn
 
 from fastdist.trainer.build import Run
 
-#: The context of a micro-batch that trains: the model is already in train mode.
-TRAINING = contextlib.nullcontext()
-
 
 class Update:
     """One optimizer update's micro-batches, drawn from the pass's ``batches`` (on the device,
@@ -81,7 +78,7 @@ class Update:
         (a schedule's: it runs them once all are drawn)."""
         if index is not None:
             self._at(self._ended + index)  # the update's first is the pass's next to end
-        with self.precision.autocast(), self._mode(module):
+        with self._context(module):
             return self.feed(module, batch)
 
     def loss(self, output: Any, batch: Any) -> torch.Tensor:
@@ -91,7 +88,7 @@ class Update:
         if index != self.state.batch_idx:  # a schedule's: every micro-batch is drawn
             self._at(index)
         share = self.data.weights[index]
-        with self.precision.autocast(), self._mode():
+        with self._context():
             self.callbacks.on_loss_begin(batch, output)
             loss = self.losses.add(self.loss_fn(output, batch), share, self.data.samples[index])
         self.callbacks.on_backward_begin(loss)
@@ -118,15 +115,19 @@ class Update:
         if not state.is_update:
             self.callbacks.on_batch_end()
 
-    def _mode(self, module: nn.Module | None = None) -> contextlib.AbstractContextManager:
-        """Train mode for a micro-batch that trains, whatever mode a callback left the model
-        in; eval mode for a filler (no batch-norm statistics, no dropout), then train mode:
-        of ``module``, which runs it (a wrapper of the model, or a pipeline stage's copy)."""
+    def _context(self, module: nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """Autocast (amp), in train mode for a micro-batch that trains, whatever mode a
+        callback left the model in; in eval mode for a filler (no batch-norm statistics, no
+        dropout), then train mode: of ``module``, which runs it (a wrapper of the model, or a
+        pipeline stage's copy). One context, entered twice per micro-batch."""
         if self.state.is_filler:
-            return evaluating(self.model if module is None else module)
+            both = contextlib.ExitStack()
+            both.enter_context(self.precision.autocast())
+            both.enter_context(evaluating(self.model if module is None else module))
+            return both
         if not self.model.training:  # the root's flag: train() walks every module
             self.model.train()
-        return TRAINING
+        return self.precision.autocast()
 
 
 @contextlib.contextmanager

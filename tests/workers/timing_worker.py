@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, defa
 from trainer_worker import BATCH, CommCounter, ToyData, ToyNet, make_trainer, warnings_logged
 from workers.ending import exit_now
 
+import fastdist
 from fastdist import AccuracyMetric, DistTrainer
 from fastdist.callbacks import Callback, ProfilerCallback
 from fastdist.distributed import all_gather_object, get_rank, get_world_size
@@ -179,12 +181,23 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _count_ops(prepare: Callable[[int], Callable[[], None]], updates: int) -> tuple[int, int]:
-    """Aten ops and host reads of training ``updates`` updates (the set-up not counted)."""
-    train, counter = prepare(updates), OpCounter()
+def _count_ops(prepare: Callable[[int], Callable[[], None]], updates: int) -> tuple[int, ...]:
+    """Aten ops, host reads and calls of fastdist's Python functions (generators resumed
+    included) of training ``updates`` updates (the set-up not counted)."""
+    train, counter, calls = prepare(updates), OpCounter(), [0]
+    package = os.path.dirname(fastdist.__file__) + os.sep
+
+    def count(frame: Any, event: str, _arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            calls[0] += 1
+
     with counter:
-        train()
-    return counter.ops, counter.reads
+        sys.setprofile(count)
+        try:
+            train()
+        finally:
+            sys.setprofile(None)
+    return counter.ops, counter.reads, calls[0]
 
 
 def case_ops() -> dict[str, Any]:
