@@ -289,7 +289,8 @@ def report_speed(found: dict[str, Any]) -> None:
     for rank, runs in enumerate(ranks):
         for key, label in (("cpu_ms", "host CPU ms"), ("faults", "minor page faults")):
             hand, fast = (statistics.median(r[key] for r in runs[n]) for n in ("hand", "fastdist"))
-            print(f"  rank {rank} {label:<21} {hand:9.1f} {fast:9.1f} {fast / hand:14.3f}")
+            ratio = f"{fast / hand:14.3f}" if hand else f"{'-':>14}"  # --heap: often 0 faults
+            print(f"  rank {rank} {label:<21} {hand:9.1f} {fast:9.1f} {ratio}")
     for rank, counts in enumerate(found.get("counts", [])):
         print(f"  rank {rank} calls per update (--count): {json.dumps(counts)}")
 
