@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 from workers.ending import exit_now
+from workers.ft_rules_worker import Records, mse
 
 import fastdist
 from fastdist import DistTrainer
@@ -52,23 +53,15 @@ class Model(nn.Module):
         return {"pred": self.out(torch.tanh(self.lin(x)))}
 
 
-def mse(output: dict[str, torch.Tensor], batch: dict[str, Any]) -> torch.Tensor:
-    return ((output["pred"] - batch["y"]) ** 2).mean()
-
-
-class Record(Callback):
+class Record(Records):
     """Records micro-batches and updates; kills this process at its ``kill_batch``-th
     micro-batch (counted from 1 in this attempt) or after update ``kill_step``."""
 
     def __init__(self, log: Path, kill_batch: int, kill_step: int, sig: int, pause: float):
-        self.log, self.kill_batch, self.kill_step, self.sig = log, kill_batch, kill_step, sig
-        self.pause, self.batches, self.count = pause, 0, 0
-        self.epochs: dict[int, int] = {}
+        super().__init__(log)
+        self.kill_batch, self.kill_step, self.sig = kill_batch, kill_step, sig
+        self.pause, self.batches = pause, 0
         self.kill_micro, self.window_step, self.in_window = (-1, -1), -1, 0
-
-    def _write(self, record: dict[str, Any]) -> None:
-        with open(self.log, "a") as log:
-            log.write(json.dumps(record) + "\n")
 
     def _signal(self) -> None:
         self.kill_step = self.kill_batch = -1  # once
@@ -118,15 +111,6 @@ class Record(Callback):
         if self.kill_step > 0 and state.global_step == self.kill_step:
             self._signal()
         time.sleep(self.pause)
-
-    def on_epoch_end(self) -> None:
-        self.epochs[self.trainer.state.epoch] = self.trainer.state.lost_samples
-
-    def state_dict(self) -> dict[str, int]:
-        return {"count": self.count}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.count = state["count"]
 
 
 def main() -> None:

@@ -77,17 +77,34 @@ def token_loss(output: dict[str, torch.Tensor], batch: dict[str, Any]) -> tuple[
     return per.sum(), tokens.sum()
 
 
-class Record(Callback):
-    """Records micro-batches and updates; kills this process when asked; keeps a count."""
+class Records(Callback):
+    """Writes records to ``log`` (JSON lines); keeps a count of updates (a callback's state,
+    healed from a peer) and each epoch's lost samples."""
 
-    def __init__(self, log: Path, kill_step: int, how: str) -> None:
-        self.log, self.kill_step, self.how = log, kill_step, how
-        self.count = 0  # a callback's state: updates it has seen (healed from a peer)
+    def __init__(self, log: Path) -> None:
+        self.log, self.count = log, 0
         self.epochs: dict[int, int] = {}
 
     def _write(self, record: dict[str, Any]) -> None:
         with open(self.log, "a") as log:
             log.write(json.dumps(record) + "\n")
+
+    def on_epoch_end(self) -> None:
+        self.epochs[self.trainer.state.epoch] = self.trainer.state.lost_samples
+
+    def state_dict(self) -> dict[str, int]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.count = state["count"]
+
+
+class Record(Records):
+    """Records micro-batches and updates; kills this process when asked."""
+
+    def __init__(self, log: Path, kill_step: int, how: str) -> None:
+        super().__init__(log)
+        self.kill_step, self.how = kill_step, how
 
     def on_train_begin(self) -> None:
         self._write({"begin": self.trainer.state.global_step, "count": self.count})
@@ -121,15 +138,6 @@ class Record(Callback):
         time.sleep(self.alone_pause if groups == 1 and ft else self.pause)
 
     pause, alone_pause = 0.05, 0.05
-
-    def on_epoch_end(self) -> None:
-        self.epochs[self.trainer.state.epoch] = self.trainer.state.lost_samples
-
-    def state_dict(self) -> dict[str, int]:
-        return {"count": self.count}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.count = state["count"]
 
 
 def main() -> None:
