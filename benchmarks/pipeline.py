@@ -11,16 +11,17 @@ Run from the repository root::
     python benchmarks/pipeline.py [--rounds 5] [--steps 8] [--count] [--profile DIR] [--heap]
 
 One torchrun job times both loops, each on a fresh model, the order flipping every round;
-a second measures the memory. Besides the wall time it prints what the load of other
-processes changes less: each rank's host CPU time (``time.process_time``) and minor page
-faults per update. ``--count`` adds one untimed round that counts, per update of the timed
-window, the collectives, point-to-point batches and host reads (``Tensor.item``/``tolist``)
-of each loop; ``--profile DIR`` writes a cProfile of each rank's timed updates of each loop
-in the first round (``DIR/{hand,fastdist}.RANK.prof``); ``--heap`` serves both loops' large
-tensors from glibc's heap instead of fresh ``mmap`` pages (page faults per update, 3,000 to
-30,000 by default as the heap happens to lie, are then near 0: less noise, same work). The
-load average is printed before and after; above half the cores before the jobs start, the
-timings are flagged as no result.
+a second measures the memory. Besides the wall time it prints what the load of other processes
+changes less: each rank's host CPU time (``time.process_time``) and minor page faults per
+update, and what CPU fastdist spends beyond its page faults (a fit over the rounds: see
+:func:`beyond_faults`). ``--count`` adds one untimed round that counts, per update of the timed
+window, the collectives, point-to-point batches and host reads (``Tensor.item``/``tolist``) of
+each loop; ``--profile DIR`` writes a cProfile of each rank's timed updates of each loop in the
+first round (``DIR/{hand,fastdist}.RANK.prof``); ``--heap`` serves both loops' large tensors
+from glibc's heap instead of fresh ``mmap`` pages (page faults per update, 3,000 to 30,000 by
+default as the heap happens to lie, are then near 0: less noise, same work). The load average
+is printed before and after; above half the cores before the jobs start, the timings are
+flagged as no result.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -291,8 +293,24 @@ def report_speed(found: dict[str, Any]) -> None:
             hand, fast = (statistics.median(r[key] for r in runs[n]) for n in ("hand", "fastdist"))
             ratio = f"{fast / hand:14.3f}" if hand else f"{'-':>14}"  # --heap: often 0 faults
             print(f"  rank {rank} {label:<21} {hand:9.1f} {fast:9.1f} {ratio}")
+    for rank, runs in enumerate(ranks):
+        print(f"  rank {rank} host CPU beyond page faults: {beyond_faults(runs)}")
     for rank, counts in enumerate(found.get("counts", [])):
         print(f"  rank {rank} calls per update (--count): {json.dumps(counts)}")
+
+
+def beyond_faults(runs: dict[str, list[dict[str, Any]]]) -> str:
+    """fastdist's host CPU per update above the hand loop's, with what page faults cost taken
+    out: the least-squares fit, over every round of both loops, of CPU ms = a + b * faults +
+    c * (1 for fastdist); c (and b, the cost of one fault) from the rounds' own spread."""
+    rows = [
+        (r["cpu_ms"], r["faults"], float(name == "fastdist")) for name in runs for r in runs[name]
+    ]
+    cpu, faults, fast = (numpy.array(column) for column in zip(*rows, strict=True))
+    design = numpy.stack([numpy.ones_like(cpu), faults, fast], axis=1)
+    (a, b, c), *_ = numpy.linalg.lstsq(design, cpu, rcond=None)
+    hand = statistics.median(r["cpu_ms"] for r in runs["hand"])
+    return f"{c:+.1f} ms ({c / hand:+.1%} of the hand loop's), a fault {b * 1000:.2f} us"
 
 
 def main() -> None:
