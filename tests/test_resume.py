@@ -136,8 +136,9 @@ def assert_matches_straight(
 @pytest.mark.parametrize(
     "config, kill_at, kill_how, resume_step",
     [
-        # Rank 1 dies before micro-batch 6 of epoch 1; update 5 was checkpointed.
-        pytest.param("plain", 6, "exit", 5, id="mid-epoch"),
+        # Rank 1 dies before micro-batch 6 of epoch 1; update 5 was checkpointed. Long tier:
+        # in CI the epoch-boundary case, the torchrun restarts and the matrix kill mid-epoch.
+        pytest.param("plain", 6, "exit", 5, id="mid-epoch", marks=pytest.mark.long),
         # update_every=2: SIGKILL after micro-batch 5, the first of update 3's window; the
         # resumed run redoes that window from the checkpoint of update 2.
         pytest.param("accumulate", 6, "sigkill", 2, id="inside-update-window-sigkill"),
@@ -188,7 +189,8 @@ def run_torchrun_with_restarts(
     return result
 
 
-@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+# static: the long tier (CI's matrix restarts its world under the static rendezvous).
+@pytest.mark.parametrize("rendezvous", [pytest.param("static", marks=pytest.mark.long), "c10d"])
 def test_torchrun_restart_resumes_exactly(straight: Path, tmp_path: Path, rendezvous: str) -> None:
     """``torchrun --max-restarts=1``: rank 1 dies in epoch 2 on the first attempt only; the
     restarted workers resume from update 12 and the job completes on its own."""
@@ -386,7 +388,8 @@ def test_checkpoint_files_are_judged_alike_on_every_rank(straight: Path, tmp_pat
 @pytest.mark.parametrize(
     "config, sigterm_rank, again",
     [
-        pytest.param("plain", "1", False, id="sigterm-one-rank"),
+        # Long tier: in CI, all ranks here, and one rank in the matrix (resumed bit for bit).
+        pytest.param("plain", "1", False, id="sigterm-one-rank", marks=pytest.mark.long),
         # LRSchedulerCallback(interval="epoch"): its state must not count the pre-empted,
         # unfinished epoch as ended.
         pytest.param("epoch-lr", "all", False, id="sigterm-all-ranks-epoch-scheduler"),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from workers.ending import exit_now
 from workers.estimate_worker import held, training_peak
@@ -142,10 +143,16 @@ def run(strategy: str, checkpointing: bool | str) -> dict[str, Any]:
 
 
 def lowest_peak(strategy: str, checkpointing: bool | str) -> dict[str, Any]:
-    """:func:`run` twice, keeping the run with the lower peak: what else the process allocates
-    meanwhile (a thread's malloc arena, a collective's buffer) only adds to a run's peak (one
-    run in CI measured 13 MiB above the activations' 56)."""
-    return min(run(strategy, checkpointing), run(strategy, checkpointing), key=lambda r: r["peak"])
+    """:func:`run`, and again where a rank measured over 5% above its estimate, keeping the
+    run with the lower peak: what else the process allocates meanwhile (a thread's malloc
+    arena, a collective's buffer) only adds to a run's peak (one run in CI measured 13 MiB
+    above the activations' 56)."""
+    first = run(strategy, checkpointing)
+    again = torch.tensor([float(first["measured"] > 1.05 * first["estimate"])])
+    dist.all_reduce(again)  # every rank trains again if one does
+    if not again.item():
+        return first
+    return min(first, run(strategy, checkpointing), key=lambda r: r["peak"])
 
 
 def main(argv: list[str]) -> int:
