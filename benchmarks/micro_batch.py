@@ -24,8 +24,10 @@ optimizer step in either; the minimum over the rounds, in us per micro-batch.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +39,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import alternating  # noqa: E402
 from fastdist import Callback, DistTrainer  # noqa: E402
 
 BATCH = 4
@@ -138,12 +142,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     loops: dict[str, Callable[[list[Any], int], float]] = {"hand": hand, "fastdist": fastdist_loop}
-    us: dict[tuple[str, int], list[float]] = {(name, k): [] for name in loops for k in (1, 4)}
+    us: dict[tuple[str, int], list[float]] = {}
     for k in (1, 4):
         data = batches(args.updates * k)
-        for r in range(args.rounds):
-            for name in loops if r % 2 == 0 else reversed(loops):
-                us[name, k].append(loops[name](data, k) / args.updates * 1e6)
+        rounds = alternating(
+            {n: functools.partial(f, data, k) for n, f in loops.items()}, args.rounds
+        )
+        us |= {(name, k): [s / args.updates * 1e6 for s in t] for name, t in rounds.items()}
     print(f"one process, {args.rounds} rounds of {args.updates} updates; us per update:")
     print("micro-batches  loop       min     median")
     for (name, k), values in us.items():
