@@ -294,7 +294,7 @@ def test_two_stages_train_one_process_model(one: dict[str, Any], pp2: list[dict[
     their first update, alike on both ranks; a short last batch in an update of full ones is
     refused as the trainer is built; with no evaluation or checkpoint after the last update,
     train() leaves the whole model on both ranks; an exception in a stage's code is reported
-    as itself."""
+    as itself; what a callback changes on the model's modules holds in every stage."""
     ranks = pp2
     for rank in ranks:  # the whole model on every rank when train() returns, as under DDP
         torch.testing.assert_close(
@@ -304,6 +304,15 @@ def test_two_stages_train_one_process_model(one: dict[str, Any], pp2: list[dict[
         assert_like_one_process(ranks[0][schedule], one["plain"])
         assert ranks[1][schedule]["eval"] == ranks[0][schedule]["eval"]
         assert ranks[1][schedule]["predict"] is None  # rank 0 gets the outputs
+    # Modes, attributes and hooks a callback gives the model's modules, before each
+    # micro-batch too, hold in every stage (interleaved: a stage's first block each).
+    assert_like_one_process(ranks[0]["modes"], one["modes"])
+    for rank in ranks:
+        assert rank["modes"]["modes"] == one["modes"]["modes"]
+        assert rank["modes"]["calls"] == one["modes"]["calls"]
+    # Of 27 micro-batches: blocks 1 and 3 frozen until the first evaluation (9), block 0
+    # training on 2 of 3, block 2 on every second.
+    assert one["modes"]["calls"] == [18, 18, 13, 18]
     for resumed in ("ddp_resumed", "from_one"):
         assert ranks[0][resumed]["start_step"] == 3
         assert_like_one_process(ranks[0][resumed], one["plain"], best=resumed == "from_one")

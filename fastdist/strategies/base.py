@@ -54,6 +54,16 @@ class Update(Protocol):
         (eval for a filler)."""
         ...
 
+    def mode(self, module: nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """The mode the micro-batch drawn last runs in, set on ``module`` (the model by
+        default) inside, as :meth:`forward` sets it (a filler's eval mode ends on exit)."""
+        ...
+
+    def probe(self, module: nn.Module, batch: Any) -> Any:
+        """``module``'s output on ``batch`` with mixed precision, its modules left in their
+        modes: a strategy's check, which trains nothing and changes no mode."""
+        ...
+
     def loss(self, output: Any, batch: Any) -> torch.Tensor:
         """The next micro-batch's loss from its ``output``: ``on_loss_begin``, the loss
         function (mixed precision), recorded for the logged loss, ``on_backward_begin``;

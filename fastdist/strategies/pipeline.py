@@ -49,7 +49,7 @@ from fastdist.strategies.pipeline_state import (
     whole,
 )
 from fastdist.strategies.stage_check import check_cut, check_gradients, unsharded_copy
-from fastdist.strategies.stages import StageModule, batch_shapes, stage_example, step
+from fastdist.strategies.stages import StageModule, UpdateModes, batch_shapes, stage_example, step
 from fastdist.strategies.topology import Topology
 
 
@@ -263,14 +263,16 @@ class Pipeline(Strategy):
         return self.plan.owner(name) % self.stages == self.index
 
     def forward_backward(self, update: Update) -> None:
-        """Every micro-batch of the update through the schedule's ``step``."""
-        batches = list(update)
+        """The update's micro-batches through the schedule's ``step`` (all drawn first), each
+        in its modes (:class:`~fastdist.strategies.stages.UpdateModes`)."""
+        batches = (modes := UpdateModes(self.model)).draw(update)
         schedule = self._schedule(batches, update)
-        for stage in self.stage_modules:  # a filler runs in eval mode; losses in order
-            stage.begin(batches, functools.partial(_run, update, stage), self.model.training)
+        for stage in self.stage_modules:  # losses in order
+            stage.begin(batches, functools.partial(_run, update, stage), modes)
         last = self.stage_modules[-1]  # the model's last stage, on the pipeline's last rank
         self._loss = lambda output, i: update.loss(last.output(i, output), batches[i])
         step(schedule, len(batches))
+        modes.restore()
         for _ in batches:
             update.end()
 
@@ -317,14 +319,14 @@ class Pipeline(Strategy):
         """The activations between the stages (for their shapes); at the first update, the
         checks of the class's docs, refused alike on every rank (one gather of the verdicts)."""
         if self._unchecked is None:
-            return check_cut(self.model, self.plan, batch, update.forward)
+            return check_cut(self.model, self.plan, batch, update.probe)
         model, self._unchecked = self._unchecked, None
         hidden: list[torch.Tensor] = []
         try:
-            hidden = check_cut(model, self.plan, batch, update.forward)
-            check_gradients(model, self.plan, batch, update.forward)
+            hidden = check_cut(model, self.plan, batch, update.probe)
+            check_gradients(model, self.plan, batch, update.probe)
             for i in self.local if self._tp_plan else ():  # a stage handing on a shard?
-                split = check_cut(self.model, self.plan, batch, update.forward)[i]  # as run
+                split = check_cut(self.model, self.plan, batch, update.probe)[i]  # as run
                 check_output_shapes(hidden[i], split, self._tp_plan, f"pipeline stage {i}")
             verdict = None
         except Exception as exc:  # agreed first: no rank raises alone and leaves the rest waiting

@@ -1,8 +1,9 @@
 """Whether a model cut into pipeline stages (:mod:`~fastdist.strategies.stages`) is still the
 model: its stages, run one after the other on one micro-batch, must compute the whole model's
 output (:func:`check_cut`) and, each stage training only the parameters it holds, its
-gradients (:func:`check_gradients`). Both run on one rank, without communication, on copies
-sharing the model's parameters; the pipeline runs them once, at its first update.
+gradients (:func:`check_gradients`). Both run on one rank, without communication, on the
+model (for sharded stages, a copy holding its parameters whole) in eval mode, each module's
+mode restored after; the pipeline runs them once, at its first update.
 """
 
 from __future__ import annotations
@@ -15,17 +16,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdist.strategies.stages import StageModule, StagePlan
+from fastdist.strategies.stages import StageModule, StagePlan, evaluating_restored
 
 
 def _stages(model: nn.Module, plan: StagePlan, batch: Any, run: Callable) -> list[StageModule]:
-    """Every stage's copy, then the whole model's, in eval mode, each fed ``batch``."""
+    """Every stage, then the whole model as one stage, each fed ``batch``."""
     whole = StagePlan(plan.container, [sum(plan.blocks, [])], [], [])
     modules = [StageModule(model, plan, i) for i in range(len(plan.blocks))]
     modules.append(StageModule(model, whole, 0))
     for module in modules:
-        module.eval()
-        module.begin([batch], run, training=False)
+        module.begin([batch], run)
     return modules
 
 
@@ -41,14 +41,14 @@ def check_cut(
     hooks = [h for i, stage in enumerate(stages) for h in _watch(stage, i, plan, foreign[i])]
     hidden: list[Any] = []
     try:
-        with torch.no_grad(), torch.random.fork_rng(_devices(model)):
+        with torch.no_grad(), torch.random.fork_rng(_devices(model)), evaluating_restored(model):
             for stage in stages:
                 hidden.append(stage(*hidden[-1:]))
             expected = whole()
     except Exception as exc:
         raise ValueError(_uncut(model, plan, f"{type(exc).__name__}: {exc}")) from exc
     finally:
-        for hook in hooks:  # sharded modules are the model's own
+        for hook in hooks:
             hook.remove()
     for index, names in enumerate(foreign):
         if names:
@@ -79,7 +79,7 @@ def check_gradients(
     the gradients of one stage's parameters at a time, twice (the model's and the stage's)."""
     *stages, whole = _stages(model, plan, batch, run)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    with torch.enable_grad(), torch.random.fork_rng(_devices(model)):
+    with torch.enable_grad(), torch.random.fork_rng(_devices(model)), evaluating_restored(model):
         expected = _weighted(whole())
         inputs: list[tuple[torch.Tensor, ...]] = []
         outputs: list[Any] = []

@@ -1,5 +1,6 @@
-"""Cutting a model into pipeline stages by name, torchtitan's way: each stage runs a copy of
-the whole model in which the blocks of other stages are pass-throughs.
+"""Cutting a model into pipeline stages by name, as torchtitan prunes a copy per stage, but
+without the copy: each stage runs the model itself, the blocks of other stages swapped for
+pass-throughs while the stage's forward runs.
 
 The models it takes: the repeated blocks are the children (of one class) of an
 ``nn.ModuleList`` or ``nn.ModuleDict`` and run in order; each takes the hidden state as its
@@ -9,11 +10,12 @@ before them and belong to the first stage (embeddings); those registered after r
 them and belong to the last (final norm, head). A parameter two stages would use (tied
 embedding and head weights) is refused, and :mod:`~fastdist.strategies.stage_check` refuses at
 the first update a model whose stages would compute another output or other gradients than
-the whole model, or run a module in a stage other than the one holding it. The copies share
-the model's parameters and buffers (and its sharded modules), so state-dict keys stay the
-model's own, and the model itself stays whole (evaluation and ``save_model`` read it).
+the whole model, or run a module in a stage other than the one holding it. State-dict keys
+stay the model's own, and between the stages' forwards the model is whole (evaluation and
+``save_model`` read it); the modes, attributes and hooks a callback gives its modules hold
+in every stage, as in one process.
 
-A stage's copy runs the model's ``forward`` on the micro-batch: on every stage but the first,
+A stage runs the model's ``forward`` on the micro-batch: on every stage but the first,
 the first block of the stage has its input replaced by the activation received from the
 stage before (what runs before it on this stage, cheap non-block modules on the inputs and
 pass-throughs, is discarded); on every stage but the last, the forward stops when it reaches
@@ -22,9 +24,9 @@ the next stage's first block and returns that block's input.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from fastdist.distributed.dtensor import is_fsdp_module
+from fastdist.strategies.base import Update
 
 
 class PassThrough(nn.Module):
@@ -210,55 +212,73 @@ class StageModule(nn.Module):
     """One stage of ``model`` (see the module's docs), fed the micro-batches of the update
     :meth:`begin` names, one per forward, in order.
 
+    The stage runs the model itself: while its forward runs, the blocks of the other stages
+    are swapped for pass-throughs in their container (and the stage's first block fed the
+    activation received); after it, the model is whole again. Every module, mode, attribute
+    and hook is the model's own.
+
     Args:
-        model: the whole model; the copy shares its parameters and buffers.
+        model: the whole model.
         plan: the stages.
         index: which stage this is.
     """
 
     def __init__(self, model: nn.Module, plan: StagePlan, index: int) -> None:
         super().__init__()
-        shared: dict[int, Any] = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-        shared.update({id(m): m for m in model.modules() if is_fsdp_module(m)})
-        self.model = copy.deepcopy(model, memo=shared)  # sharded modules: the same objects
-        for stage, names in enumerate(plan.blocks):
-            for name in names if stage != index else ():
-                _replace(self.model, name, PassThrough())
+        self.model = model
         starts = plan.starts()
+        self.next = starts[index] if index < len(starts) else None
+        stand_ins: dict[str, nn.Module] = {
+            name: PassThrough()
+            for stage, names in enumerate(plan.blocks)
+            if stage != index
+            for name in names
+        }
         if index > 0:
             first = starts[index - 1]
-            _replace(self.model, first, Receiver(self.model.get_submodule(first), self._take))
-        self.next = starts[index] if index < len(starts) else None
+            stand_ins[first] = Receiver(model.get_submodule(first), self._take)
         if self.next is not None:
-            self.model.get_submodule(self.next).register_forward_pre_hook(_stop)
+            stand_ins[self.next].register_forward_pre_hook(_stop)
+        # The container's children by key (``blocks.3``: ``3``), and their stand-ins: plain
+        # dicts, not submodules of the stage (not in its state dict, nor twice in DDP's).
+        self._children = model.get_submodule(plan.container)._modules
+        self._stand_ins = {name.rpartition(".")[2]: m for name, m in stand_ins.items()}
         self.batches: list[Any] = []
         self.run: Callable[[nn.Module, Any], Any] | None = None
+        self.modes: UpdateModes | None = None
         self.count, self.live = 0, False
         self.hidden: torch.Tensor | None = None
         self.outputs: list[tuple[Any, list[Any]]] = []  # the last stage's, in pieces
 
     def begin(
-        self, batches: list[Any], run: Callable[[nn.Module, Any], Any], training: bool
+        self,
+        batches: list[Any],
+        run: Callable[[nn.Module, Any], Any],
+        modes: UpdateModes | None = None,
     ) -> None:
-        """The next forwards are those of ``batches``, each run as ``run(module, batch)``, in
-        the model's mode (``training``; set only when it changed, as the loop sets the model's)."""
-        self.batches, self.run, self.count, self.outputs = batches, run, 0, []
-        if self.model.training != training:
-            self.model.train(training)
+        """The next forwards are those of ``batches``, each run as ``run(module, batch)``
+        (in the modes ``modes`` kept for it)."""
+        self.batches, self.run, self.modes, self.count, self.outputs = batches, run, modes, 0, []
 
     def forward(self, *received: torch.Tensor) -> Any:
         """The activation for the next stage; on the last stage, the tensors of the model's
         output (:meth:`output` puts them together again)."""
         assert self.run is not None, "StageModule.begin() names the micro-batches"
         batch = self.batches[self.count]
+        if self.modes is not None:
+            self.modes.apply(self.count)
         self.count += 1
         self.hidden = received[0] if received else None
         self.live = not received  # the stage's own part runs (from its first block on)
+        children = self._children
+        blocks = {key: children[key] for key in self._stand_ins}
+        children.update(self._stand_ins)
         try:
             output = self.run(self.model, batch)
         except Boundary as boundary:
             return boundary.hidden
         finally:
+            children.update(blocks)
             self.hidden, self.live = None, False
         if self.next is not None:
             raise ValueError(
@@ -293,13 +313,61 @@ class Receiver(nn.Module):
         return self.block(self.take(), *args, **kwargs)
 
 
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    model.get_submodule(parent).register_module(child, module)
-
-
 def _stop(module: nn.Module, args: tuple[Any, ...]) -> None:
     raise Boundary(args[0])
+
+
+class UpdateModes:
+    """The modes of ``model``'s modules each micro-batch of an update runs in, kept as its
+    micro-batches are drawn (after its ``on_batch_begin``, in the loop's mode for it: as one
+    process sets them) and set again before its forward on each stage (a stage's forward
+    changes the modes of its own modules only)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.modules = model, list(model.modules())
+        self.kept: list[list[bool]] = []
+
+    def draw(self, update: Update) -> list[Any]:
+        """The update's micro-batches, each one's modes kept."""
+        batches = []
+        for batch in update:
+            batches.append(batch)
+            with update.mode(self.model):
+                self.kept.append(modes(self.modules))
+        self.after = modes(self.modules)  # as the update's last forward leaves them
+        return batches
+
+    def apply(self, index: int) -> None:
+        """The modes of micro-batch ``index``."""
+        set_modes(self.modules, self.kept[index])
+
+    def restore(self) -> None:
+        """The modes the update's last forward leaves in one process."""
+        set_modes(self.modules, self.after)
+
+
+def modes(modules: list[nn.Module]) -> list[bool]:
+    """Whether each of ``modules`` is in training mode."""
+    return [module.training for module in modules]
+
+
+def set_modes(modules: list[nn.Module], training: list[bool]) -> None:
+    """Put each of ``modules`` in the mode ``training`` gives it (a module's own flag only,
+    as :func:`modes` read them)."""
+    for module, mode in zip(modules, training, strict=True):
+        module.training = mode
+
+
+@contextlib.contextmanager
+def evaluating_restored(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode inside; every module in its own mode again after."""
+    modules = list(model.modules())
+    kept = modes(modules)
+    model.eval()
+    try:
+        yield
+    finally:
+        set_modes(modules, kept)
 
 
 def batch_shapes(batch: Any) -> tuple[Any, ...]:

@@ -81,6 +81,11 @@ class Update:
         with self._context(module):
             return self.feed(module, batch)
 
+    def probe(self, module: nn.Module, batch: Any) -> Any:
+        """``module``'s output on ``batch``, modes untouched (a strategy's check)."""
+        with self.precision.autocast():
+            return self.feed(module, batch)
+
     def loss(self, output: Any, batch: Any) -> torch.Tensor:
         """The next micro-batch's loss to backpropagate: weighted, scaled."""
         index = self._lost
@@ -115,19 +120,27 @@ class Update:
         if not state.is_update:
             self.callbacks.on_batch_end()
 
-    def _context(self, module: nn.Module | None = None) -> contextlib.AbstractContextManager:
-        """Autocast (amp), in train mode for a micro-batch that trains, whatever mode a
-        callback left the model in; in eval mode for a filler (no batch-norm statistics, no
-        dropout), then train mode: of ``module``, which runs it (a wrapper of the model, or a
-        pipeline stage's copy). One context, entered twice per micro-batch."""
+    def mode(self, module: nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """The mode of the micro-batch drawn last, on ``module`` (a wrapper of the model, or
+        the model: the default) inside: train mode for one that trains, whatever mode a
+        callback left the model in; eval mode for a filler (no batch-norm statistics, no
+        dropout), then train mode."""
         if self.state.is_filler:
-            both = contextlib.ExitStack()
-            both.enter_context(self.precision.autocast())
-            both.enter_context(evaluating(self.model if module is None else module))
-            return both
+            return evaluating(self.model if module is None else module)
         if not self.model.training:  # the root's flag: train() walks every module
             self.model.train()
-        return self.precision.autocast()
+        return contextlib.nullcontext()
+
+    def _context(self, module: nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """Autocast (amp) in the micro-batch's :meth:`mode`. One context, entered twice per
+        micro-batch."""
+        mode = self.mode(module)
+        if not self.state.is_filler:
+            return self.precision.autocast()
+        both = contextlib.ExitStack()
+        both.enter_context(self.precision.autocast())
+        both.enter_context(mode)
+        return both
 
 
 @contextlib.contextmanager

@@ -118,7 +118,7 @@ class WideHead(Tagger):
 class Boom(Tagger):
     """Raises in training once armed (its stage check, in eval mode, passes)."""
 
-    armed = False  # on the class: each stage's copy of the model sees it
+    armed = False
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         if Boom.armed and self.training:
@@ -135,6 +135,67 @@ class ArmAtUpdate2(Callback):
             Boom.armed = True
             if get_rank() == 1:
                 raise ValueError("rank 1 stops with rank 0")
+
+
+class Scale(nn.Module):
+    """``factor`` times its input in training mode, counting those forwards (a buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor = 1.5
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return h
+        self.calls += 1
+        return h * self.factor
+
+
+class ScaledBlock(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = Scale()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.scale(torch.tanh(self.fc(h)))
+
+
+class Moded(Tagger):
+    """Blocks whose output depends on their mode; block 1's frozen (eval) before the build."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ScaledBlock() for _ in range(4))
+        self.blocks[1].scale.eval()
+
+
+class ChangeModes(Callback):
+    """What a callback changes on the model after the build: block 3 frozen, an attribute of
+    block 2, a forward hook on block 1 (its stage's first under a pipeline); and before each
+    micro-batch, the modes of blocks 0 and 2. The evaluation after each epoch puts the whole
+    model back in training mode (block 1 included)."""
+
+    def on_train_begin(self) -> None:
+        model, self.drawn = self.trainer.model, 0
+        model.blocks[3].scale.eval()
+        model.blocks[2].scale.factor = 3.0
+        model.blocks[1].register_forward_hook(lambda module, args, output: output * 0.5)
+
+    def on_batch_begin(self, batch: Any) -> None:
+        self.drawn += 1
+        self.trainer.model.blocks[0].scale.train(self.drawn % 3 != 0)
+        self.trainer.model.blocks[2].scale.train(self.drawn % 2 == 0)
+
+
+def with_modes(strategy: Any, out: Path) -> dict:
+    """:func:`train` of :class:`Moded` changed by :class:`ChangeModes`; the modes and the
+    counts of training forwards it ends with."""
+    model = Moded()
+    result = train(strategy, out, model=model, callbacks=[ChangeModes()])
+    result["modes"] = [module.training for module in model.modules()]
+    result["calls"] = [float(block.scale.calls) for block in model.blocks]
+    return result
 
 
 def failure(make: Any) -> str:
@@ -218,7 +279,7 @@ def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw:
     saved = trainer.save_model(out / "model.pt")
     full = trainer.strategy.full_state_dict()
     if full is not None:
-        plain = Tagger()
+        plain = type(model)()
         plain.load_state_dict(full)  # strict: every key of the plain model, no other
         result["params"] = flat(plain)
         plain.load_state_dict(torch.load(saved, weights_only=True))
@@ -267,12 +328,14 @@ def main(argv: list[str]) -> int:
         result["plain"] = train("ddp", out / "plain")
         result["uneven"] = train("ddp", out / "uneven", n_train=UNEVEN)
         result["left"] = left_by_train("ddp")
+        result["modes"] = with_modes("ddp", out / "modes")
     elif mode == "pp2":
         result["left"] = left_by_train(Pipeline(stages=2))
         result["gpipe"] = train(Pipeline(stages=2, schedule="gpipe"), out / "gpipe")
         # 2 stages per rank (one block each), interleaved; the epoch's last update LoopedBFS.
         interleaved = Pipeline(stages=2, schedule="interleaved-1f1b")
         result["interleaved"] = train(interleaved, out / "interleaved")
+        result["modes"] = with_modes(interleaved, out / "modes")
         one_f_one_b, model = Pipeline(stages=2, schedule="1f1b"), loaded_on_rank_zero()
         result["1f1b"] = train(one_f_one_b, out / "1f1b", model=model)
         # The pipeline's checkpoint of update 3 (the end of epoch 1) resumed by DDP at 2 ranks.
