@@ -89,6 +89,22 @@ def test_blocks_reshard_after_forward_and_the_root_does_not(ranks: list[dict[str
         assert data["bf16"]["sharded_in_backward"] == {"inp.weight": False, "blocks.0.weight": True}
 
 
+def test_an_optimizer_that_never_stepped_is_saved_and_resumed_so(ranks: list[dict]) -> None:
+    """Epoch 1's updates all skipped (non-finite losses), so its checkpoint holds an
+    optimizer that never stepped, which torch's get_optimizer_state_dict makes a state for
+    by stepping it at learning rate 0: one step more for AdamW's bias correction. Neither
+    the run that wrote it nor the one resumed from it keeps that step: after epoch 2's 3
+    updates AdamW counts 3, and the parameters are DDP's."""
+    assert ranks[0]["skipped_fsdp"]["epochs"] == [1, 2]
+    assert ranks[0]["resumed"]["epochs"] == [2]  # resumed from epoch 1's checkpoint
+    for rank in ranks:
+        for run in ("skipped_ddp", "skipped_fsdp", "resumed"):
+            assert rank[run]["steps"] == [3.0], run
+    ddp = torch.tensor(ranks[0]["skipped_ddp"]["params"])
+    for run in ("skipped_fsdp", "resumed"):
+        torch.testing.assert_close(torch.tensor(ranks[0][run]["params"]), ddp, rtol=0, atol=1e-5)
+
+
 def test_one_process_runs_the_plain_model() -> None:
     trainer = make_trainer(Callback(), strategy="fsdp")
     assert type(trainer.strategy.module).__name__ == "Linear"  # no FSDP wrapper

@@ -141,17 +141,17 @@ class StageOptimizerShards:
         self.pipeline = pipeline
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from fastdist.strategies.sharded_io import optimizer_shards
 
-        own: dict[str, Any] = get_optimizer_state_dict(self.pipeline.model, self.pipeline.optimizer)
+        own = optimizer_shards(self.pipeline.model, self.pipeline.optimizer)
         groups = [
             {**group, "params": list(names)}
             for group, names in zip(own["param_groups"], self.pipeline.groups, strict=True)
         ]
-        return {"state": own["state"], "param_groups": groups}
+        return {**own, "param_groups": groups}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from fastdist.strategies.sharded_io import load_optimizer_shards
 
         owns = self.pipeline.owns
         groups = [
@@ -159,8 +159,5 @@ class StageOptimizerShards:
             for group in state["param_groups"]
         ]
         own = {name: value for name, value in state["state"].items() if owns(name)}
-        set_optimizer_state_dict(
-            self.pipeline.model,
-            self.pipeline.optimizer,
-            {"state": own, "param_groups": groups},
-        )
+        mine = {**state, "state": own, "param_groups": groups}
+        load_optimizer_shards(self.pipeline.model, self.pipeline.optimizer, mine)

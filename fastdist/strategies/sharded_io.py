@@ -45,25 +45,37 @@ class ShardedOptimizer:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return optimizer_shards(self.model, self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+        load_optimizer_shards(self.model, self.optimizer, state)
 
-    def live_state_dict(self) -> dict[str, Any]:
-        """What a healing peer group takes (torchft): as :meth:`state_dict`, but ``{}`` for
-        an optimizer that has not stepped yet. torch's ``get_optimizer_state_dict`` makes a
-        state for such an optimizer by stepping it once at learning rate 0, which counts as a
-        step for Adam's bias correction: torchft's first quorum heals every group from one
-        (its weights: the groups start alike), and both would then train another model."""
-        return self.state_dict() if self.optimizer.state else {}
 
-    def load_live_state_dict(self, state: dict[str, Any]) -> None:
-        """Load what :meth:`live_state_dict` sent (``{}``: the peer's optimizer is fresh)."""
-        if state:
-            self.load_state_dict(state)
-        else:
-            self.optimizer.state.clear()
+#: Whether the optimizer had stepped when its shards were taken (a key of their state dict).
+STEPPED = "stepped"
+
+
+def optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """torch's ``get_optimizer_state_dict``, and whether the optimizer had stepped. For one
+    that had not, torch makes the state by stepping it once at learning rate 0, which counts
+    as a step for Adam's bias correction: that state is taken, then dropped from the
+    optimizer, which stays as it was (and loads so, :func:`load_optimizer_shards`)."""
+    stepped = bool(optimizer.state)
+    state = get_optimizer_state_dict(model, optimizer)
+    if not stepped:
+        optimizer.state.clear()
+    return {**state, STEPPED: stepped}
+
+
+def load_optimizer_shards(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Load what :func:`optimizer_shards` gave (an optimizer that had not stepped: none)."""
+    state = dict(state)
+    stepped = state.pop(STEPPED)
+    set_optimizer_state_dict(model, optimizer, state)
+    if not stepped:
+        optimizer.state.clear()
 
 
 def gather_full(model: nn.Module, rank: int) -> dict[str, Any] | None:

@@ -6,8 +6,9 @@ Usage (under torchrun, 2 ranks)::
 
 Writes ``OUT_DIR/rank<R>.json`` with, for each strategy, the final (gathered) parameters, the
 local shard sizes, evaluate()/predict() of an odd-size dev set and the same computed by the
-plain gathered model in this process (the one-process result), the best model file; and a
-bf16 FSDP run's losses.
+plain gathered model in this process (the one-process result), the best model file; a
+bf16 FSDP run's losses; and runs whose first epoch is skipped (its checkpoint holding an
+optimizer that never stepped), one of them resumed from that checkpoint.
 """
 
 from __future__ import annotations
@@ -147,10 +148,60 @@ def run_bf16() -> dict[str, Any]:
     }
 
 
+class Poison(Callback):
+    """Epoch 1's losses are not finite: each of its updates is skipped."""
+
+    on = False
+
+    def __init__(self) -> None:
+        self.epochs: list[int] = []  # those begun
+
+    def on_epoch_begin(self) -> None:
+        self.epochs.append(self.trainer.state.epoch)
+        Poison.on = self.trainer.state.epoch == 1
+
+
+def poisoned(output: torch.Tensor, batch: Any) -> torch.Tensor:
+    loss = CrossEntropyLoss()(output, batch)
+    return loss * float("nan") if Poison.on else loss
+
+
+def run_skipped(strategy: str, save: Path, n_epochs: int = 2) -> dict[str, Any]:
+    """Epoch 1 skipped (its checkpoint holds an optimizer that never stepped), epoch 2
+    trained; resumed from ``save``'s last checkpoint if there is one. The parameters and
+    AdamW's step counts at the end."""
+    model = BlockNet()
+    trainer = DistTrainer(
+        ToyData(N_TRAIN),
+        model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=0.01),
+        loss=poisoned,
+        callbacks_all=[poison := Poison()],
+        batch_size_per_gpu=4,
+        update_every=2,
+        n_epochs=n_epochs,
+        on_nonfinite="skip",
+        save_path=str(save),
+        print_every=10_000,
+        use_tqdm=False,
+        device="cpu",
+        strategy=strategy,
+    )
+    trainer.train("auto")
+    full = trainer.strategy.full_state_dict()
+    steps = {float(state["step"]) for state in trainer.optimizer.state.values()}
+    params = [] if full is None else torch.cat([v.flatten() for v in full.values()]).tolist()
+    return {"steps": sorted(steps), "params": params, "epochs": poison.epochs}
+
+
 def main(argv: list[str]) -> int:
     out = Path(argv[1])
     results = {"rank": get_rank(), "ddp": run("ddp", out), "fsdp": run("fsdp", out)}
     results["bf16"] = run_bf16()
+    for strategy in ("ddp", "fsdp"):
+        results[f"skipped_{strategy}"] = run_skipped(strategy, out / f"skipped_{strategy}")
+    run_skipped("fsdp", out / "resumed", n_epochs=1)  # stops after the skipped epoch
+    results["resumed"] = run_skipped("fsdp", out / "resumed")
     write_json(out, results)
     return 0
 
