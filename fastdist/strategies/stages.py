@@ -355,7 +355,8 @@ def set_modes(modules: list[nn.Module], training: list[bool]) -> None:
     """Put each of ``modules`` in the mode ``training`` gives it (a module's own flag only,
     as :func:`modes` read them)."""
     for module, mode in zip(modules, training, strict=True):
-        module.training = mode
+        if module.training is not mode:  # nn.Module's __setattr__ is slow: only if changed
+            module.training = mode
 
 
 @contextlib.contextmanager
