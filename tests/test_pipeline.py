@@ -198,20 +198,39 @@ def test_even_split_and_owners() -> None:
 
 
 def test_a_model_is_cut_only_where_its_stages_compute_its_output() -> None:
-    """check_cut, in process: the activations passed between the stages; a model whose
-    residual connections skip the blocks, or whose head is registered before the blocks (so
-    the first stage would hold it), is refused naming the fix."""
+    """check_cut, in process: the activations passed between the stages, every module's mode
+    as it was; a model whose residual connections skip the blocks, whose head is registered
+    before the blocks (so the first stage would hold it), or whose forward reads its own
+    parameters, is refused naming the fix; an error of the model's own raises as itself."""
     batch = {"x": Sequences(4).x[:4]}
 
     def run(module: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
         return module(batch["x"])
 
-    hidden = check_cut(Tagger(), plan_stages(Tagger(), 2, None), batch, run)
+    model = Tagger()
+    model.blocks[1].eval()  # modes as they were after the check (which runs in eval mode)
+    modes = [m.training for m in model.modules()]
+    hidden = check_cut(model, plan_stages(model, 2, None), batch, run)
     assert hidden[0].shape == (4, 9, WIDTH) and hidden[1][0].shape == (4, 9)
+    assert [m.training for m in model.modules()] == modes and modes.count(False) == 2
     with pytest.raises(ValueError, match="cut so, it computes another output"):
         check_cut(OutsideResidual(), plan_stages(OutsideResidual(), 2, None), batch, run)
     with pytest.raises(ValueError, match="out runs on pipeline stage 1, but its parameters"):
         check_cut(HeadFirst(), plan_stages(HeadFirst(), 2, None), batch, run)
+
+    class Penalized(Tagger):  # its forward reads every parameter: a stage holds fewer
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            weights = sum(p.square().sum() for p in self.parameters())
+            return {"pred": super().forward(x)["pred"] + weights}
+
+    with pytest.raises(ValueError, match=r"another output.*self\.parameters\(\)"):
+        check_cut(Penalized(), plan_stages(Penalized(), 2, None), batch, run)
+
+    def broken(module: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        raise KeyError("the user's own bug")
+
+    with pytest.raises(KeyError, match="the user's own bug"):  # as itself, not "cannot be cut"
+        check_cut(Tagger(), plan_stages(Tagger(), 2, None), batch, broken)
 
 
 def test_a_model_is_cut_only_where_its_stages_compute_its_gradients() -> None:

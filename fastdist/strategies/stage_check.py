@@ -37,6 +37,8 @@ def check_cut(
     ``ValueError`` if the stages' output differs from the model's (the model cannot be cut).
     The last entry is the model's output."""
     *stages, whole = _stages(model, plan, batch, run)
+    with torch.no_grad(), torch.random.fork_rng(_devices(model)), evaluating_restored(model):
+        expected = whole()  # the model's own error raises as itself
     foreign: list[list[str]] = [[] for _ in stages]
     hooks = [h for i, stage in enumerate(stages) for h in _watch(stage, i, plan, foreign[i])]
     hidden: list[Any] = []
@@ -44,7 +46,6 @@ def check_cut(
         with torch.no_grad(), torch.random.fork_rng(_devices(model)), evaluating_restored(model):
             for stage in stages:
                 hidden.append(stage(*hidden[-1:]))
-            expected = whole()
     except Exception as exc:
         raise ValueError(_uncut(model, plan, f"{type(exc).__name__}: {exc}")) from exc
     finally:
@@ -197,7 +198,9 @@ def _uncut(model: nn.Module, plan: StagePlan, what: str) -> str:
         f"({what}): its "
         "forward must run the blocks in order and hand each block's output only to the next "
         "block (h = block(h), residual connections inside the blocks, as transformer layers "
-        "do), computing nothing after a block from values before it but the inputs"
+        "do), computing nothing after a block from values before it but the inputs, and "
+        "reading none of the model's modules or parameters itself (self.modules(), "
+        "self.parameters()): on a stage the other stages' blocks are pass-throughs"
     )
 
 
