@@ -325,7 +325,8 @@ class UpdateModes:
 
     def __init__(self, model: nn.Module) -> None:
         self.model, self.modules = model, list(model.modules())
-        self.kept: list[list[bool]] = []
+        self.kept: list[list[bool]] = []  # per micro-batch
+        self.after: list[bool] = []
 
     def draw(self, update: Update) -> list[Any]:
         """The update's micro-batches, each one's modes kept."""
