@@ -4,9 +4,10 @@ the same command ends with the parameters of a straight run, bit for bit.
 Every run trains tests/workers/resume_worker.py's float64 MLP with dropout (so the random
 generators must be restored), SGD with momentum (optimizer state) and a learning-rate callback
 (callback state), on 72 samples in micro-batches of 4: 9 per rank and epoch on 2 ranks, 2 epochs.
-The straight runs of every configuration are launched once per module. Checkpoint files made
-wrong on disk (corrupt shards, a broken manifest, a directory of another run's checkpoints)
-are checked on 2 ranks by tests/workers/checkpoint_worker.py, in one launch.
+The straight runs of every configuration are launched once per module, and CI's killed runs
+(of different configurations) resume in one launch. Checkpoint files made wrong on disk
+(corrupt shards, a broken manifest, a directory of another run's checkpoints, a truncated
+newest checkpoint) are checked on 2 ranks by tests/workers/checkpoint_worker.py, in one launch.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import shutil
 import zlib
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -132,46 +133,71 @@ def assert_matches_straight(
 
 # ----- killed and resumed with the same command -----
 
+# config, kill_at, kill_how, resume_step of each kill: rank 1 dies before micro-batch kill_at,
+# after the checkpoint of update resume_step.
+KILLS = {
+    # update_every=2: SIGKILL after micro-batch 5, the first of update 3's window; the
+    # resumed run redoes that window from the checkpoint of update 2.
+    "inside-update-window-sigkill": ("accumulate", 6, "sigkill", 2),
+    # Dies before the first micro-batch of epoch 2: resumes from epoch 1's end.
+    "epoch-boundary": ("plain", 10, "exit", 9),
+    # The long tier's (in CI the cases above, the torchrun restarts and the matrix kill
+    # mid-epoch). Rank 1 dies before micro-batch 6 of epoch 1; update 5 was checkpointed.
+    "mid-epoch": ("plain", 6, "exit", 5),
+    # PowerSGD has compressed updates 11-13 when rank 1 dies in update 14: every rank's
+    # error feedback and Q matrices resume, re-laid out onto the new DDP's buckets.
+    "powersgd-error-feedback": ("powersgd", 14, "sigkill", 13),
+    # Local SGD averaged at update 12; ranks stepped on their own in update 13: each
+    # rank's parameters and momentum resume.
+    "local-sgd-per-rank-state": ("local-sgd", 14, "sigkill", 13),
+}
+CI_KILLS = ["inside-update-window-sigkill", "epoch-boundary"]  # of distinct configs
 
-@pytest.mark.parametrize(
-    "config, kill_at, kill_how, resume_step",
-    [
-        # Rank 1 dies before micro-batch 6 of epoch 1; update 5 was checkpointed. Long tier:
-        # in CI the epoch-boundary case, the torchrun restarts and the matrix kill mid-epoch.
-        pytest.param("plain", 6, "exit", 5, id="mid-epoch", marks=pytest.mark.long),
-        # update_every=2: SIGKILL after micro-batch 5, the first of update 3's window; the
-        # resumed run redoes that window from the checkpoint of update 2.
-        pytest.param("accumulate", 6, "sigkill", 2, id="inside-update-window-sigkill"),
-        # Dies before the first micro-batch of epoch 2: resumes from epoch 1's end.
-        pytest.param("plain", 10, "exit", 9, id="epoch-boundary"),
-        # PowerSGD has compressed updates 11-13 when rank 1 dies in update 14: every rank's
-        # error feedback and Q matrices resume, re-laid out onto the new DDP's buckets.
-        pytest.param(
-            "powersgd", 14, "sigkill", 13, id="powersgd-error-feedback", marks=pytest.mark.long
-        ),
-        # Local SGD averaged at update 12; ranks stepped on their own in update 13: each
-        # rank's parameters and momentum resume.
-        pytest.param(
-            "local-sgd", 14, "sigkill", 13, id="local-sgd-per-rank-state", marks=pytest.mark.long
-        ),
-    ],
-)
-def test_killed_run_resumes_exactly(
-    straight: Path, tmp_path: Path, config: str, kill_at: int, kill_how: str, resume_step: int
-) -> None:
-    kill = ["--kill-at", str(kill_at), "--kill-how", kill_how]
-    first = launch(tmp_path, config, "first", *kill, check=False)
+
+def kill(out: Path, case: str) -> None:
+    """Launch ``case``'s kill: the job fails where it should, after the checkpoint of its
+    resume step."""
+    config, kill_at, kill_how, resume_step = KILLS[case]
+    options = ["--kill-at", str(kill_at), "--kill-how", kill_how]
+    first = launch(out, config, "first", *options, check=False)
     assert first.returncode != 0, first.describe()
     if kill_how == "sigkill":
         assert "Signal 9 (SIGKILL)" in first.output, first.describe()
     for rank in range(SIZE):
-        assert not (tmp_path / config / f"first-0.rank{rank}.json").exists(), "did not die"
-    assert manifest_steps(tmp_path, config)[-1] == resume_step
+        assert not (out / config / f"first-0.rank{rank}.json").exists(), f"{case}: did not die"
+    assert manifest_steps(out, config)[-1] == resume_step, case
 
-    resumed = launch(tmp_path, config, "resumed")  # the same command, resume="auto"
-    assert f"resumed from {checkpoint_path(tmp_path, config, resume_step)}" in resumed.output
-    assert rank_result(tmp_path, config, "resumed", 0)["start_step"] == resume_step
-    assert_matches_straight(straight, tmp_path, config, "resumed", first="first")
+
+def assert_resumed(straight: Path, out: Path, case: str, resumed: Result) -> None:
+    """``case``'s config, resumed by ``resumed`` (the same command), ends as the straight run."""
+    config, _, _, resume_step = KILLS[case]
+    assert f"resumed from {checkpoint_path(out, config, resume_step)}" in resumed.output
+    assert rank_result(out, config, "resumed", 0)["start_step"] == resume_step
+    assert_matches_straight(straight, out, config, "resumed", first="first")
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Result]:
+    """CI's kills, each launched, then one launch of their configs (the same command that
+    resumes each in turn): its directory and that launch."""
+    out = tmp_path_factory.mktemp("killed")
+    for case in CI_KILLS:
+        kill(out, case)
+    return out, launch(out, ",".join(KILLS[case][0] for case in CI_KILLS), "resumed")
+
+
+@pytest.mark.parametrize("case", CI_KILLS)
+def test_killed_run_resumes_exactly(straight: Path, killed: tuple[Path, Result], case: str) -> None:
+    out, resumed = killed
+    assert_resumed(straight, out, case, resumed)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("case", [case for case in KILLS if case not in CI_KILLS])
+def test_killed_run_resumes_exactly_long(straight: Path, tmp_path: Path, case: str) -> None:
+    kill(tmp_path, case)
+    resumed = launch(tmp_path, KILLS[case][0], "resumed")  # the same command, resume="auto"
+    assert_resumed(straight, tmp_path, case, resumed)
 
 
 def run_torchrun_with_restarts(
@@ -293,47 +319,39 @@ def test_two_ranks_resumed_on_one_process_see_each_sample_once(tmp_path: Path) -
     assert Counter(seen(after, 2)) == Counter(range(N_SAMPLES)), "epoch 2"
 
 
-def test_truncated_newest_checkpoint_falls_back_to_the_previous(
-    straight: Path, tmp_path: Path
-) -> None:
-    """The newest checkpoint (epoch 2's end) is cut short: the run warns, resumes from the one
-    before (update 17), trains the last update and still ends where the straight run did."""
-    shutil.copytree(straight / "plain", tmp_path / "plain")
-    assert manifest_steps(tmp_path, "plain")[-2:] == [17, 18]
-    newest = checkpoint_path(tmp_path, "plain", 18)
-    os.truncate(newest, newest.stat().st_size // 2)
-    result = launch(tmp_path, "plain", "after-truncation")
-    assert re.search(
-        rf"skipping checkpoint {re.escape(str(newest))}: .*CRC-32 does not match", result.output
-    ), result.describe()
-    assert f"resumed from {checkpoint_path(tmp_path, 'plain', 17)}" in result.output
-    assert_matches_straight(straight, tmp_path, "plain", "after-truncation")
-
-
 def snapshot(directory: Path) -> dict[str, bytes]:
     """Every file under ``directory`` by relative path, with its bytes (not a run's lock)."""
     files = (path for path in directory.rglob("*") if path.is_file() and path.name != LOCK_FILE)
     return {str(path.relative_to(directory)): path.read_bytes() for path in files}
 
 
-def test_checkpoint_files_are_judged_alike_on_every_rank(straight: Path, tmp_path: Path) -> None:
-    """2 ranks, one launch, resume=... with files made wrong as a disk or a user can: every rank
-    raises the same error naming the file, before any collective (none hangs), or every rank
-    skips the same checkpoint. Each rank checks every other file of a sharded checkpoint (by
-    name: rank 1 checks ``__0_0.distcp``), so a shard that only rank 1 finds corrupt must make
-    rank 0 skip it too."""
+class Judged(NamedTuple):
+    """The launch of :func:`judged`: its directory, its result, and what held before it."""
+
+    out: Path
+    result: Result
+    held_before: dict[str, bytes]  # the files of the "fresh" case's checkpoint directory
+    truncated_steps: list[int]  # the manifest's steps of the "truncated" case
+
+
+@pytest.fixture(scope="module")
+def judged(straight: Path, tmp_path_factory: pytest.TempPathFactory) -> Judged:
+    """One 2-rank launch of tests/workers/checkpoint_worker.py over checkpoint files made
+    wrong, in order: a finished run's directory (``fresh``), a missing file, a file that is no
+    checkpoint, a manifest cut short, a shard with one byte flipped (named, then found by
+    ``auto``), and a copy of the straight ``plain`` run whose newest checkpoint is cut short
+    (``truncated``)."""
+    out = tmp_path_factory.mktemp("judged")
     source = straight / "fsdp-exact" / "checkpoints"
 
     def copy(name: str) -> Path:
-        shutil.copytree(source, tmp_path / name / "checkpoints")
-        return tmp_path / name / "checkpoints"
+        shutil.copytree(source, out / name / "checkpoints")
+        return out / name / "checkpoints"
 
     held = copy("held")  # a finished run's checkpoints
-    before = snapshot(held)
-    missing = tmp_path / "nowhere" / "step-00000003"
-    garbage = tmp_path / "garbage.pt"
-    garbage.write_bytes(b"not a checkpoint")
-    broken = tmp_path / "broken-manifest" / "checkpoints"
+    held_before = snapshot(held)
+    (out / "garbage.pt").write_bytes(b"not a checkpoint")
+    broken = out / "broken-manifest" / "checkpoints"
     broken.mkdir(parents=True)
     (broken / "manifest.json").write_text('[{"file": "step-00000001", ')  # cut short
     corrupt = copy("corrupt")
@@ -342,31 +360,79 @@ def test_checkpoint_files_are_judged_alike_on_every_rank(straight: Path, tmp_pat
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one byte flipped, as a bad disk does; the size stays
     shard.write_bytes(bytes(data))
+    shutil.copytree(straight / "plain", out / "truncated" / "plain")
+    truncated_steps = manifest_steps(out / "truncated", "plain")
+    newest = checkpoint_path(out / "truncated", "plain", truncated_steps[-1])
+    os.truncate(newest, newest.stat().st_size // 2)
     cases = {
-        "fresh": (held.parent, False),
-        "missing": (tmp_path / "a", str(missing)),
-        "garbage": (tmp_path / "b", str(garbage)),
-        "manifest": (broken.parent, "auto"),
-        "named-shard": (tmp_path / "c", str(corrupt / "step-00000003")),
-        "auto-shard": (corrupt.parent, "auto"),  # last: it trains, rewriting step 3
+        "fresh": ("fsdp-exact", held.parent, False),
+        "missing": ("fsdp-exact", out / "a", str(out / "nowhere" / "step-00000003")),
+        "garbage": ("fsdp-exact", out / "b", str(out / "garbage.pt")),
+        "manifest": ("fsdp-exact", broken.parent, "auto"),
+        "named-shard": ("fsdp-exact", out / "c", str(corrupt / "step-00000003")),
+        "auto-shard": ("fsdp-exact", corrupt.parent, "auto"),  # it trains, rewriting step 3
+        "truncated": ("plain", out / "truncated" / "plain", "auto"),  # it trains the last update
     }
     spec = [
-        {"name": name, "config": "fsdp-exact", "save_path": str(path), "resume": resume}
-        for name, (path, resume) in cases.items()
+        {"name": name, "config": config, "save_path": str(path), "resume": resume}
+        for name, (config, path, resume) in cases.items()
     ]
-    (tmp_path / "cases.json").write_text(json.dumps(spec))
-    result = run_torchrun(CHECKPOINT_WORKER, SIZE, [str(tmp_path / "cases.json"), str(tmp_path)])
+    (out / "cases.json").write_text(json.dumps(spec))
+    result = run_torchrun(CHECKPOINT_WORKER, SIZE, [str(out / "cases.json"), str(out)])
+    return Judged(out, result, held_before, truncated_steps)
+
+
+def outcomes(out: Path, case: str) -> list[dict[str, Any]]:
+    """What every rank of :func:`judged`'s launch wrote for ``case``."""
+    return [json.loads((out / f"{case}.rank{rank}.json").read_text()) for rank in range(SIZE)]
+
+
+def test_truncated_newest_checkpoint_falls_back_to_the_previous(
+    straight: Path, judged: Judged
+) -> None:
+    """The newest checkpoint (epoch 2's end) is cut short: the run warns, resumes from the one
+    before (update 17), trains the last update and still ends where the straight run did."""
+    assert judged.truncated_steps[-2:] == [17, 18]
+    newest = checkpoint_path(judged.out / "truncated", "plain", 18)
+    assert re.search(
+        rf"skipping checkpoint {re.escape(str(newest))}: .*CRC-32 does not match",
+        judged.result.output,
+    ), judged.result.describe()
+    previous = checkpoint_path(judged.out / "truncated", "plain", 17)
+    assert f"resumed from {previous}" in judged.result.output
+    got = outcomes(judged.out, "truncated")
+    for rank in range(SIZE):  # as assert_matches_straight, from checkpoint_worker's records
+        expected = rank_result(straight, "plain", "straight", rank)
+        assert got[rank]["start_step"] == got[0]["start_step"] == 17
+        assert got[rank]["steps"] == expected["steps"]
+        assert not got[rank]["rolled_back"], "a resume on as many processes is not a rollback"
+        assert_same_params(got[rank]["final"], expected["final"], f"rank {rank}")
+
+
+def test_checkpoint_files_are_judged_alike_on_every_rank(straight: Path, judged: Judged) -> None:
+    """2 ranks, one launch, resume=... with files made wrong as a disk or a user can: every rank
+    raises the same error naming the file, before any collective (none hangs), or every rank
+    skips the same checkpoint. Each rank checks every other file of a sharded checkpoint (by
+    name: rank 1 checks ``__0_0.distcp``), so a shard that only rank 1 finds corrupt must make
+    rank 0 skip it too."""
+    out, result = judged.out, judged.result
+    held = out / "held" / "checkpoints"
+    missing = out / "nowhere" / "step-00000003"
+    garbage = out / "garbage.pt"
+    broken = out / "broken-manifest" / "checkpoints"
+    corrupt = out / "corrupt" / "checkpoints"
+    shard = corrupt / "step-00000003" / "__0_0.distcp"
 
     def error(case: str) -> str:
-        outcomes = [json.loads((tmp_path / f"{case}.rank{r}.json").read_text()) for r in (0, 1)]
-        assert outcomes[0] == outcomes[1], f"{case}: the ranks disagree: {outcomes}"
-        return outcomes[0]["error"]
+        ranks = outcomes(out, case)
+        assert ranks[0] == ranks[1], f"{case}: the ranks disagree: {ranks}"
+        return ranks[0]["error"]
 
     fresh = error("fresh")
     assert fresh.startswith(f"FileExistsError: the checkpoint directory '{held}' already holds")
     for fix in ("resume='auto'", "another save_path/checkpoint_dir", "delete the old checkpoints"):
         assert fix in fresh
-    assert snapshot(held) == before, "a refused run changed the checkpoints"
+    assert snapshot(held) == judged.held_before, "a refused run changed the checkpoints"
     assert error("missing").startswith(f"FileNotFoundError: resume='{missing}': no such")
     assert error("garbage").startswith(f"ValueError: resume='{garbage}' cannot be resumed")
     assert error("manifest").startswith(f"ValueError: {broken / 'manifest.json'} is not a")
@@ -375,8 +441,7 @@ def test_checkpoint_files_are_judged_alike_on_every_rank(straight: Path, tmp_pat
     skipped = f"skipping checkpoint {corrupt / 'step-00000003'}: {shard}: its CRC-32 does not"
     assert result.output.count(skipped) == 1, result.describe()  # rank 0 says it for both
     assert f"resumed from {corrupt / 'step-00000002'}:" in result.output
-    for rank in range(SIZE):
-        got = json.loads((tmp_path / f"auto-shard.rank{rank}.json").read_text())
+    for rank, got in enumerate(outcomes(out, "auto-shard")):
         assert got["start_step"] == 2
         expected = rank_result(straight, "fsdp-exact", "straight", rank)["final"]
         assert_same_params(got["final"], expected, f"rank {rank} after the fallback")

@@ -14,7 +14,8 @@ the file ``"unfill"`` names first, if any: space freed); the cases
 run in order in one process (group), each a trainer of resume_worker.py's ``config`` that
 trains with ``train(resume=...)``. Rank R writes
 ``OUT_DIR/<name>.rank<R>.json``: ``{"error": "<type>: <message>"}`` when ``train()`` raised,
-else the step it started at and its final parameters (this rank's shards). After a case
+else the step it started at, whether that was a rollback, the updates it trained to and its
+final parameters (this rank's shards). After a case
 that raised, rank 0 writes ``OUT_DIR/<name>.left.json``: the names in the checkpoint directory
 and the steps its manifest lists.
 """
@@ -77,7 +78,7 @@ def run_case(case: dict[str, Any], out: Path) -> dict[str, Any]:
         case["config"], save_path, callbacks=[ids], callbacks_master=fill, **options
     )
     try:
-        trainer.train(resume=case["resume"])
+        result = trainer.train(resume=case["resume"])
     except Exception as exc:  # the outcome under test: the same on every rank
         if get_rank() == 0 and fill and (checkpoints / "manifest.json").exists():
             manifest = json.loads((checkpoints / "manifest.json").read_text())
@@ -89,7 +90,12 @@ def run_case(case: dict[str, Any], out: Path) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         ids.file.close()
-    return {"start_step": ids.start_step, "final": flat_params(trainer.model)}
+    return {
+        "start_step": ids.start_step,
+        "rolled_back": ids.rolled_back,
+        "steps": result["steps"],
+        "final": flat_params(trainer.model),
+    }
 
 
 def main(argv: list[str]) -> int:
