@@ -134,12 +134,11 @@ class Update:
     def _context(self, module: nn.Module | None = None) -> contextlib.AbstractContextManager:
         """Autocast (amp) in the micro-batch's :meth:`mode`. One context, entered twice per
         micro-batch."""
-        mode = self.mode(module)
-        if not self.state.is_filler:
+        if self.model.training and not self.state.is_filler:  # the common case: as it is
             return self.precision.autocast()
         both = contextlib.ExitStack()
         both.enter_context(self.precision.autocast())
-        both.enter_context(mode)
+        both.enter_context(self.mode(module))
         return both
 
 
