@@ -1,4 +1,5 @@
-"""Shared fixtures (a one-process world for in-process tests) and the ``gpu`` marker's skip.
+"""Shared fixtures (a one-process world for in-process tests), the ``gpu`` marker's skip and the
+files' order (the longest first).
 
 CPU tests pin themselves to the CPU: in-process ones pass ``device="cpu"``, launched ones see
 no GPU (tests/launch.py). ``@pytest.mark.gpu`` / ``@pytest.mark.gpu(2)`` tests run where CUDA
@@ -48,8 +49,27 @@ def no_dist_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         pytest.fail("the test left a process group initialised")
 
 
+#: The files that take longest (CI's durations, 30-80 s each), started first: each file runs
+#: whole on one pytest-xdist worker, and a long one started last would leave the other idle.
+LONGEST_FIRST = (
+    "test_campaign.py",
+    "test_faults.py",
+    "test_resume.py",
+    "test_matrix.py",
+    "test_model_io.py",
+    "test_tensor_parallel.py",
+    "test_ft_rules.py",
+    "test_ray.py",
+    "test_pipeline.py",
+    "test_stream.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``gpu(n)`` tests, naming why, unless CUDA shows at least ``n`` GPUs."""
+    """Put the longest files first (each file's tests keep their order); skip ``gpu(n)``
+    tests, naming why, unless CUDA shows at least ``n`` GPUs."""
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
         marker = item.get_closest_marker("gpu")
