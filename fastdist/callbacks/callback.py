@@ -176,7 +176,7 @@ class CallbackList:
         }
         self.current: str | None = None  # the hook running now, for failure reports
         for hook in PER_MICRO_BATCH:  # called up to five times per micro-batch: when no
-            if not self.hooks[hook]:  # callback answers one, it costs no Python call
+            if not self.hooks[hook]:  # callback answers one, it costs one empty call
                 setattr(self, hook, _nothing)
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
