@@ -32,7 +32,7 @@ from launch import (
     run_torchrun,
     torchrun_command,
 )
-from workers.resume_worker import N_SAMPLES, build_trainer
+from workers.resume_worker import CLASSES, HIDDEN, N_SAMPLES, build_trainer
 
 from fastdist import Callback
 from fastdist.checkpoint.lock import LOCK_FILE
@@ -332,6 +332,7 @@ class Judged(NamedTuple):
     result: Result
     held_before: dict[str, bytes]  # the files of the "fresh" case's checkpoint directory
     truncated_steps: list[int]  # the manifest's steps of the "truncated" case
+    others: dict[str, tuple[Path, dict[str, bytes]]]  # "other-*" cases' checkpoints, files
 
 
 @pytest.fixture(scope="module")
@@ -340,7 +341,8 @@ def judged(straight: Path, tmp_path_factory: pytest.TempPathFactory) -> Judged:
     wrong, in order: a finished run's directory (``fresh``), a missing file, a file that is no
     checkpoint, a manifest cut short, a shard with one byte flipped (named, then found by
     ``auto``), and a copy of the straight ``plain`` run whose newest checkpoint is cut short
-    (``truncated``)."""
+    (``truncated``); then copies of finished runs resumed with another optimizer class
+    (``other-optimizer``, DDP) or another model (``other-model``, FSDP)."""
     out = tmp_path_factory.mktemp("judged")
     source = straight / "fsdp-exact" / "checkpoints"
 
@@ -364,6 +366,13 @@ def judged(straight: Path, tmp_path_factory: pytest.TempPathFactory) -> Judged:
     truncated_steps = manifest_steps(out / "truncated", "plain")
     newest = checkpoint_path(out / "truncated", "plain", truncated_steps[-1])
     os.truncate(newest, newest.stat().st_size // 2)
+    shutil.copytree(straight / "plain", out / "other-optimizer" / "plain")
+    other_model = copy("other-model")
+    other_optimizer = out / "other-optimizer" / "plain" / "checkpoints"
+    others = {  # their checkpoints, to be left as they are
+        name: (path, snapshot(path))
+        for name, path in (("other-optimizer", other_optimizer), ("other-model", other_model))
+    }
     cases = {
         "fresh": ("fsdp-exact", held.parent, False),
         "missing": ("fsdp-exact", out / "a", str(out / "nowhere" / "step-00000003")),
@@ -372,14 +381,17 @@ def judged(straight: Path, tmp_path_factory: pytest.TempPathFactory) -> Judged:
         "named-shard": ("fsdp-exact", out / "c", str(corrupt / "step-00000003")),
         "auto-shard": ("fsdp-exact", corrupt.parent, "auto"),  # it trains, rewriting step 3
         "truncated": ("plain", out / "truncated" / "plain", "auto"),  # it trains the last update
+        "other-optimizer": ("plain", out / "other-optimizer" / "plain", "auto"),
+        "other-model": ("fsdp-exact", other_model.parent, "auto"),
     }
     spec = [
         {"name": name, "config": config, "save_path": str(path), "resume": resume}
         for name, (config, path, resume) in cases.items()
     ]
+    spec[-2]["adamw"], spec[-1]["hidden"] = True, HIDDEN + 2
     (out / "cases.json").write_text(json.dumps(spec))
     result = run_torchrun(CHECKPOINT_WORKER, SIZE, [str(out / "cases.json"), str(out)])
-    return Judged(out, result, held_before, truncated_steps)
+    return Judged(out, result, held_before, truncated_steps, others)
 
 
 def outcomes(out: Path, case: str) -> list[dict[str, Any]]:
@@ -445,6 +457,32 @@ def test_checkpoint_files_are_judged_alike_on_every_rank(straight: Path, judged:
         assert got["start_step"] == 2
         expected = rank_result(straight, "fsdp-exact", "straight", rank)["final"]
         assert_same_params(got["final"], expected, f"rank {rank} after the fallback")
+
+
+def test_another_optimizer_or_model_is_refused_before_anything_loads(judged: Judged) -> None:
+    """A checkpoint resumed with another optimizer class (SGD's, by AdamW: it loaded, then
+    failed at the first step; AdamW's by Adam trained on as AdamW) or another model (torch's or
+    DCP's size mismatch, naming no checkpoint) is refused alike on every rank, naming the
+    checkpoint, the difference and the fix; its files stay as they were."""
+    errors = {}
+    for case in judged.others:
+        ranks = outcomes(judged.out, case)
+        assert ranks[0] == ranks[1] and "error" in ranks[0], f"{case}: {ranks}"
+        errors[case] = ranks[0]["error"]
+    fix = "or start afresh (resume=False) in another save_path/checkpoint_dir"
+    optimizer = errors["other-optimizer"]
+    assert optimizer.startswith("ValueError: checkpoint ") and fix in optimizer
+    assert (
+        "holds the state of a torch.optim.sgd.SGD optimizer, but this run passes "
+        "optimizer=torch.optim.adamw.AdamW(...): pass a torch.optim.sgd.SGD"
+    ) in optimizer
+    model = errors["other-model"]
+    assert model.startswith("ValueError: checkpoint ") and fix in model
+    assert f"was written for another model: 'hidden.weight' has shape [{HIDDEN}, " in model
+    shapes = f"'out.weight' has shape [{CLASSES}, {HIDDEN}] there and [{CLASSES}, {HIDDEN + 2}]"
+    assert shapes in model and "Pass model= the model it was trained with" in model
+    for case, (path, before) in judged.others.items():
+        assert snapshot(path) == before, f"{case}: a refused run changed the checkpoints"
 
 
 # ----- pre-emption -----

@@ -38,10 +38,11 @@ from fastdist.checkpoint.files import (
     checkpoint_write_failure,
 )
 from fastdist.checkpoint.format1 import upgrade
+from fastdist.checkpoint.identity import refusal
 from fastdist.checkpoint.loadable import unloadable
 from fastdist.checkpoint.resume import choose
 from fastdist.checkpoint.sharded import discard, load_shards, publish, write_shards
-from fastdist.checkpoint.temps import readable, remove_stale
+from fastdist.checkpoint.temps import clean
 from fastdist.distributed import agree, broadcast_object, gather_object, get_rank, get_world_size
 from fastdist.distributed.dtensor import as_shards, local_shards
 from fastdist.logging import logger
@@ -118,6 +119,8 @@ class Checkpointer:
         peer: heals every part from a live peer that is ahead (torchft's replica groups).
         data_shards: how many shards the data is split into (the world size, but for ranks
             that share one: a pipeline's stages, tensor-parallel peers).
+        identity: the model and optimizer it saves (:mod:`fastdist.checkpoint.identity`): a
+            checkpoint written for others is refused before anything loads.
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class Checkpointer:
         background: Background | None = None,
         peer: Peer | None = None,
         data_shards: int | None = None,
+        identity: dict[str, Any] | None = None,
     ) -> None:
         self.dir = CheckpointDir(directory, keep) if directory else None
         self.every = every
@@ -139,6 +143,7 @@ class Checkpointer:
         self.rank, self.world_size = get_rank(), get_world_size()
         self.data_shards = data_shards or self.world_size
         self.parts: dict[str, Part] = {}
+        self.identity = identity
         self.peer = peer
         if peer is not None:
             peer.share(self._live_state, self._load_live)
@@ -205,6 +210,7 @@ class Checkpointer:
                 "parts": {**replicated, **whole},
                 "per_rank": {name: [states[name] for states in ranks] for name in own},
                 "sharded": [p.name for p in self._scoped(SHARDED)],
+                "identity": self.identity,
             }
         problem = unloadable(content) if ranks is not None else None  # rank 0's content
         problem = broadcast_object(problem, group=self.group)
@@ -296,11 +302,15 @@ class Checkpointer:
         """Restore every part from the checkpoint on disk that ``resume`` asks for."""
         fetch = None if self.mirror is None else self.mirror.fetch
         found = choose(resume, self.dir, self.group, fetch)
-        self._remove_stale_temps()
+        if self.dir is not None and self.rank == 0:  # killed writes' temps: a crash loop
+            clean(self.dir.directory)  # would fill the disk (the ranks agreed on `found`)
         if found is None:
             return None
         saved, path, rollback = found
         checkpoint = upgrade(saved)
+        problem = refusal(checkpoint.get("identity"), self.identity, path)
+        if problem is not None:  # alike on every rank: each read the file, and holds the same
+            raise ValueError(problem)
         for part in self.parts.values():
             self._check_saved(checkpoint, part, path)
         for part in self._scoped(REPLICATED) + self._scoped(GATHERED):
@@ -318,29 +328,6 @@ class Checkpointer:
                 part.obj.load_state_dict(sharded[part.name])
         world_size = checkpoint["world_size"]
         return Resumed(path, world_size, checkpoint.get("data_shards", world_size), rollback)
-
-    def _remove_stale_temps(self) -> None:
-        """Rank 0, once the ranks agreed on the checkpoint to resume from and before this run
-        writes one: remove the temps of killed writes (a crash loop would fill the disk)."""
-        if self.dir is None or self.rank != 0:
-            return
-        removed, freed, kept = remove_stale(self.dir.directory)
-        if removed:
-            logger.info(
-                "removed %d temp(s) of checkpoint writes that were killed (%s) from %s: %s",
-                len(removed),
-                readable(freed),
-                self.dir.directory,
-                ", ".join(removed),
-            )
-        if kept:
-            logger.warning(
-                "could not remove %d temp(s) of checkpoint writes that were killed from %s: %s; "
-                "remove them yourself (they take disk space)",
-                len(kept),
-                self.dir.directory,
-                ", ".join(kept),
-            )
 
     def _live_state(self) -> dict[str, Any]:
         """This rank's view of every part, as a live peer sends it (no collective: it is

@@ -4,7 +4,8 @@ A write killed before its rename (a ``.pt`` file's, a manifest's, a sharded chec
 folder) leaves its temp in the checkpoint directory, full size. Its writer holds an ``flock``
 on it while it lives (:func:`lock_temp`; :func:`~fastdist.checkpoint.files.atomic_file` locks
 its file), which the kernel releases when the process ends, however it ends. So a temp of this
-naming that no one holds locked is a dead write's: :func:`remove_stale` removes it.
+naming that no one holds locked is a dead write's: :func:`remove_stale` removes it, and
+:func:`clean` says so.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import os
 import re
 import shutil
 import stat
+
+from fastdist.logging import logger
 
 #: The temps' names: ``.tmp-<hex>-step-00000120.pt`` and ``.tmp-<hex>-manifest.json`` (of
 #: ``atomic_file``; ``-step-00000240``: a checkpoint imported from a mirror) and
@@ -69,6 +72,27 @@ def remove_stale(directory: str) -> tuple[list[str], int, list[str]]:
             removed.append(name)
             freed += size
     return removed, freed, kept
+
+
+def clean(directory: str) -> None:
+    """:func:`remove_stale` in ``directory``, logging what it removed and what it could not."""
+    removed, freed, kept = remove_stale(directory)
+    if removed:
+        logger.info(
+            "removed %d temp(s) of checkpoint writes that were killed (%s) from %s: %s",
+            len(removed),
+            readable(freed),
+            directory,
+            ", ".join(removed),
+        )
+    if kept:
+        logger.warning(
+            "could not remove %d temp(s) of checkpoint writes that were killed from %s: %s; "
+            "remove them yourself (they take disk space)",
+            len(kept),
+            directory,
+            ", ".join(kept),
+        )
 
 
 def readable(size: int) -> str:

@@ -22,6 +22,7 @@ from fastdist.callbacks.json_log import JSONLogCallback
 from fastdist.callbacks.run_log import RunLogCallback
 from fastdist.checkpoint import PER_RANK, Checkpointer, RandomState
 from fastdist.checkpoint.background import Background
+from fastdist.checkpoint.identity import identity
 from fastdist.data import StreamBatches, TrainBatches
 from fastdist.data.feed import make_forward
 from fastdist.data.protocol import Batches
@@ -120,6 +121,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
     forward = make_forward(model)  # from the signature, before compiling
     evaluate = make_forward(model, evaluation=True)  # the model's predict() if it has one
     strategy = options.strategy  # checkpoints blocks and compiles, each strategy its way
+    expected = identity(model, args.optimizer)  # before the strategy wraps or shards them
     optimizer = strategy.setup(
         model,
         args.optimizer,
@@ -154,7 +156,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
         data=data,
         validator=_validator(args, strategy, evaluate, world),
         callbacks=_callbacks(args, world.rank == 0),
-        checkpointer=_checkpointer(options, world, state, write_group, strategy),
+        checkpointer=_checkpointer(options, world, state, write_group, strategy, expected),
         rng=RandomState(world.rank),
         state=state,
         losses=losses,
@@ -298,12 +300,18 @@ def _callbacks(args: Arguments, is_master: bool) -> CallbackList:
 
 
 def _checkpointer(
-    options: TrainerOptions, world: World, state: TrainerState, write_group: Any, strategy: Strategy
+    options: TrainerOptions,
+    world: World,
+    state: TrainerState,
+    write_group: Any,
+    strategy: Strategy,
+    expected: dict[str, Any],
 ) -> Checkpointer:
     """Checkpoints in ``checkpoint_dir``, else ``<save_path>/checkpoints``, else none; in a
     Ray Train worker also reported to Ray (:mod:`~fastdist.trainer.ray_report`); with
     ``checkpoint_async`` written in the background, on ``write_group``; healed from a live
-    peer where the strategy has one (torchft's replica groups)."""
+    peer where the strategy has one (torchft's replica groups); only from checkpoints of the
+    ``expected`` model and optimizer (:mod:`~fastdist.checkpoint.identity`)."""
     directory = options.checkpoint_dir
     if directory is None and options.save_path is not None:
         directory = os.path.join(options.save_path, "checkpoints")
@@ -317,7 +325,15 @@ def _checkpointer(
     every, keep = options.checkpoint_every, options.keep_checkpoints
     background = Background(write_group) if options.checkpoint_async else None
     return Checkpointer(
-        directory, every, keep, world.group, mirror, background, strategy.peer, world.data.size
+        directory,
+        every,
+        keep,
+        world.group,
+        mirror,
+        background,
+        strategy.peer,
+        world.data.size,
+        expected,
     )
 
 

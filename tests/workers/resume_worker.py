@@ -76,11 +76,11 @@ CONFIGS: dict[str, Config] = {
 class DropNet(nn.Module):
     """A float64 MLP with dropout, so every resume must restore the random generators."""
 
-    def __init__(self, dropout: float = 0.5) -> None:
+    def __init__(self, dropout: float = 0.5, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.hidden = nn.Linear(DIM, HIDDEN, dtype=torch.float64)
+        self.hidden = nn.Linear(DIM, hidden, dtype=torch.float64)
         self.drop = nn.Dropout(dropout)
-        self.out = nn.Linear(HIDDEN, CLASSES, dtype=torch.float64)
+        self.out = nn.Linear(hidden, CLASSES, dtype=torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.drop(torch.tanh(self.hidden(x))))
@@ -185,14 +185,19 @@ def build_trainer(
     callbacks_master: list[Callback] | None = None,
     n_epochs: int = N_EPOCHS,
     train_data: Any = None,
+    hidden: int = HIDDEN,
+    adamw: bool = False,
     **options: Any,
 ) -> DistTrainer:
     """The trainer of ``config``, built from fixed seeds (the same in every attempt), on
-    ``train_data`` (default ``ToyData(N_SAMPLES)``); ``options``: more DistTrainer arguments."""
+    ``train_data`` (default ``ToyData(N_SAMPLES)``); ``options``: more DistTrainer arguments.
+    ``hidden`` and ``adamw`` (instead of SGD) make another model and optimizer."""
     update_every, schedule, strategy, dropout, keep = CONFIGS[config]
     torch.manual_seed(1234)  # the model's init and the first dropout masks
-    model = DropNet(dropout)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    model = DropNet(dropout, hidden)
+    optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    if adamw:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.2)
     if schedule == "warmup":
         lr_callback: Callback = WarmupCallback(warmup=0.3, schedule="linear")
     else:
