@@ -4,8 +4,10 @@ the optimizer's class.
 A resume compares them with this run's before it loads anything. Without this, a checkpoint of
 another optimizer class loaded into the one passed (an AdamW's state into an ``Adam``: its
 settings too, so it trained on as AdamW) or failed at the first step with a ``KeyError``, and
-one of another model failed deep in torch or DCP without naming the checkpoint. Both are taken
-before the strategy wraps or shards anything, so any layout describes the same model alike.
+one of another model failed deep in torch or DCP without naming the checkpoint. Both are read
+from the objects the user passed: the model's state-dict names stay its own under every
+strategy, and a sharded or tensor-parallel parameter (a DTensor) reports its global shape, so
+every layout and world size describes the same model alike.
 """
 
 from __future__ import annotations

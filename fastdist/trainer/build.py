@@ -121,7 +121,6 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
     forward = make_forward(model)  # from the signature, before compiling
     evaluate = make_forward(model, evaluation=True)  # the model's predict() if it has one
     strategy = options.strategy  # checkpoints blocks and compiles, each strategy its way
-    expected = identity(model, args.optimizer)  # before the strategy wraps or shards them
     optimizer = strategy.setup(
         model,
         args.optimizer,
@@ -156,7 +155,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
         data=data,
         validator=_validator(args, strategy, evaluate, world),
         callbacks=_callbacks(args, world.rank == 0),
-        checkpointer=_checkpointer(options, world, state, write_group, strategy, expected),
+        checkpointer=_checkpointer(args, world, state, write_group, strategy),
         rng=RandomState(world.rank),
         state=state,
         losses=losses,
@@ -300,18 +299,14 @@ def _callbacks(args: Arguments, is_master: bool) -> CallbackList:
 
 
 def _checkpointer(
-    options: TrainerOptions,
-    world: World,
-    state: TrainerState,
-    write_group: Any,
-    strategy: Strategy,
-    expected: dict[str, Any],
+    args: Arguments, world: World, state: TrainerState, write_group: Any, strategy: Strategy
 ) -> Checkpointer:
     """Checkpoints in ``checkpoint_dir``, else ``<save_path>/checkpoints``, else none; in a
     Ray Train worker also reported to Ray (:mod:`~fastdist.trainer.ray_report`); with
     ``checkpoint_async`` written in the background, on ``write_group``; healed from a live
     peer where the strategy has one (torchft's replica groups); only from checkpoints of the
-    ``expected`` model and optimizer (:mod:`~fastdist.checkpoint.identity`)."""
+    trainer's model and optimizer (:mod:`~fastdist.checkpoint.identity`)."""
+    options = args.options
     directory = options.checkpoint_dir
     if directory is None and options.save_path is not None:
         directory = os.path.join(options.save_path, "checkpoints")
@@ -333,7 +328,7 @@ def _checkpointer(
         background,
         strategy.peer,
         world.data.size,
-        expected,
+        identity(args.model, args.optimizer),  # the model's own names and (global) shapes
     )
 
 
