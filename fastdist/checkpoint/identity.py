@@ -40,7 +40,9 @@ def refusal(saved: dict[str, Any] | None, live: dict[str, Any] | None, path: str
     if saved["optimizer"] != live["optimizer"]:
         return (
             f"checkpoint {path} holds the state of a {saved['optimizer']} optimizer, but this "
-            f"run passes optimizer={live['optimizer']}(...): pass a {saved['optimizer']}, {fix}"
+            f"run passes optimizer={live['optimizer']}(...): pass a {saved['optimizer']}, {fix}, "
+            f"from its weights alone if you like (python -m fastdist export {path} model.pt "
+            "writes them for model.load_state_dict)"
         )
     there, here = saved["model"], live["model"]
     differences = [f"{name!r} is missing from this model" for name in there if name not in here]
