@@ -313,11 +313,11 @@ class Loop:
         left = self._updates_left()
         state.total_steps = None if left is None else state.global_step + left
         if resumed is not None:
+            where = f"{state.samples_in_epoch} samples into epoch {state.epoch}"
             logger.info(
-                "resumed from %s: epoch %d, %d samples into it, step %d%s",
+                "resumed from %s: %s, step %d%s",
                 resumed.path,
-                state.epoch,
-                0 if state.epoch_complete else state.samples_in_epoch,
+                f"the end of epoch {state.epoch}" if state.epoch_complete else where,
                 state.global_step,
                 ""
                 if left != 0
