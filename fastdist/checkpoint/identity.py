@@ -1,10 +1,10 @@
 """What a checkpoint was written for: the model (its state-dict entries and their shapes) and
 the optimizer's class.
 
-A resume compares them with this run's before it loads anything. Without this, a checkpoint of
-another optimizer class loaded into the one passed (an AdamW's state into an ``Adam``: its
-settings too, so it trained on as AdamW) or failed at the first step with a ``KeyError``, and
-one of another model failed deep in torch or DCP without naming the checkpoint. Both are read
+A resume compares them with this run's before it loads anything. Unchecked, another optimizer
+class's state would load (an AdamW's into an ``Adam``, settings included, which then trains as
+AdamW) or fail at the first step with a ``KeyError``, and another model's would fail deep in
+torch or DCP without naming the checkpoint. Both are read
 from the objects the user passed: the model's state-dict names stay its own under every
 strategy, and a sharded or tensor-parallel parameter (a DTensor) reports its global shape, so
 every layout and world size describes the same model alike.
