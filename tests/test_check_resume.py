@@ -45,7 +45,7 @@ def test_a_random_number_outside_the_trainer_fails_naming_the_parameter(tmp_path
     assert (runs / "through" / "checkpoints" / "step-00000006.pt").exists()
     # the killed run left its checkpoint at update 3, from which the third run resumed
     assert "resumed from" in (runs / "resumed.log").read_text()
-    assert "step-00000003.pt: epoch 1" in (runs / "resumed.log").read_text()
+    assert "step-00000003.pt: 24 samples into epoch 1" in (runs / "resumed.log").read_text()
 
 
 @pytest.mark.slow
