@@ -478,8 +478,9 @@ def test_another_optimizer_or_model_is_refused_before_anything_loads(judged: Jud
     ) in optimizer
     model = errors["other-model"]
     assert model.startswith("ValueError: checkpoint ") and fix in model
-    assert f"was written for another model: 'hidden.weight' has shape [{HIDDEN}, " in model
-    shapes = f"'out.weight' has shape [{CLASSES}, {HIDDEN}] there and [{CLASSES}, {HIDDEN + 2}]"
+    wider = f"hidden.bias is ({HIDDEN + 2},) in this model and ({HIDDEN},) in the checkpoint"
+    assert f"was written for another model: {wider}, hidden.weight is ({HIDDEN + 2}, " in model
+    shapes = f"out.weight is ({CLASSES}, {HIDDEN + 2}) in this model and ({CLASSES}, {HIDDEN}) in"
     assert shapes in model and "Pass model= the model it was trained with" in model
     for case, (path, before) in judged.others.items():
         assert snapshot(path) == before, f"{case}: a refused run changed the checkpoints"

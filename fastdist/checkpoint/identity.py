@@ -12,6 +12,7 @@ every layout and world size describes the same model alike.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,10 +21,10 @@ from torch.nn.parameter import is_lazy
 
 
 def identity(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """``{"model": {entry: shape}, "optimizer": class}`` of the run's own objects (a lazy
-    parameter's shape is ``None``)."""
+    """``{"model": {entry: shape}, "optimizer": class}`` of the run's own objects (shapes as
+    ``(16, 4)``; a lazy parameter's as ``lazy``)."""
     shapes = {
-        name: None if is_lazy(value) else list(value.shape)
+        name: "lazy" if is_lazy(value) else str(tuple(value.shape))
         for name, value in model.state_dict().items()
         if isinstance(value, torch.Tensor)
     }
@@ -44,18 +45,26 @@ def refusal(saved: dict[str, Any] | None, live: dict[str, Any] | None, path: str
             f"from its weights alone if you like (python -m fastdist export {path} model.pt "
             "writes them for model.load_state_dict)"
         )
-    there, here = saved["model"], live["model"]
-    differences = [f"{name!r} is missing from this model" for name in there if name not in here]
-    differences += [f"{name!r} is not in the checkpoint" for name in here if name not in there]
-    differences += [
-        f"{name!r} has shape {there[name]} there and {here[name]} here"
-        for name in there
-        if name in here and there[name] != here[name]
-    ]
-    if not differences:
+    if saved["model"] == live["model"]:
         return None
-    more = f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""
+    odd = differences(live["model"], saved["model"], "this model", "the checkpoint")
     return (
-        f"checkpoint {path} was written for another model: {'; '.join(differences[:3])}{more}. "
-        f"Pass model= the model it was trained with, {fix}"
+        f"checkpoint {path} was written for another model: {odd}. Pass model= the model it was "
+        f"trained with, {fix}"
     )
+
+
+def differences(mine: Mapping[str, str], theirs: Mapping[str, str], me: str, them: str) -> str:
+    """Two models' state-dict entries (name -> its shape, or shape and dtype) ``mine`` against
+    ``theirs`` in words (at most 5 entries), e.g. ``0.weight is (3, 4) torch.float32 in group 1
+    and (1, 4) torch.float32 in group 0`` (a resume's refusal, torchft's replica groups)."""
+    words = []
+    for name in sorted(mine.keys() | theirs.keys()):
+        if name not in theirs:
+            words.append(f"{name} only in {me}")
+        elif name not in mine:
+            words.append(f"{name} only in {them}")
+        elif mine[name] != theirs[name]:
+            words.append(f"{name} is {mine[name]} in {me} and {theirs[name]} in {them}")
+    more = f" (and {len(words) - 5} more)" if len(words) > 5 else ""
+    return ", ".join(words[:5]) + more

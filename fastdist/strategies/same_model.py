@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
+from fastdist.checkpoint.identity import differences
+
 Signature = dict[str, str]  # name -> "shape dtype" of every entry of a model's state_dict
 
 #: The entry of a group's signature that holds its number of processes: torchft pairs the
@@ -28,21 +30,6 @@ FIX = (
 def signature(state: Mapping[str, Any]) -> Signature:
     """The names, shapes and dtypes of a model's ``state_dict``."""
     return {name: f"{tuple(t.shape)} {t.dtype}" for name, t in state.items()}
-
-
-def differences(mine: Signature, theirs: Signature, me: str, them: str) -> str:
-    """``mine`` against ``theirs`` in words (at most 5 entries), e.g. ``0.weight is (3, 4)
-    torch.float32 in group 1 and (1, 4) torch.float32 in group 0``."""
-    words = []
-    for name in sorted(mine.keys() | theirs.keys()):
-        if name not in theirs:
-            words.append(f"{name} only in {me}")
-        elif name not in mine:
-            words.append(f"{name} only in {them}")
-        elif mine[name] != theirs[name]:
-            words.append(f"{name} is {mine[name]} in {me} and {theirs[name]} in {them}")
-    more = f" (and {len(words) - 5} more)" if len(words) > 5 else ""
-    return ", ".join(words[:5]) + more
 
 
 def check_same(manager: Any, index: int, mine: Signature) -> bool:
