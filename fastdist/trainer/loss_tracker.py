@@ -44,13 +44,11 @@ class LossTracker:
         self.window: list[torch.Tensor] = []  # micro-batch losses of the current update
         self.window_samples: list[int] = []  # their weights: samples (1 for a sum)
         self.window_count: Any = 0  # their counts (an int, or a tensor for (sum, count))
-        # Applied updates' micro-batch losses not yet in the buffer, their weights and the
-        # index of their update among them.
+        # Applied updates' micro-batch losses not yet in the buffer, their weights and how
+        # many of them each update has.
         self.held: list[torch.Tensor] = []
         self.held_samples: list[int] = []
-        self.held_update: list[int] = []
-        self.n_held_updates = 0
-        self.one_each = True  # every held update has one micro-batch loss
+        self.held_sizes: list[int] = []
         self.buffer = torch.zeros(BUFFER_SIZE, dtype=torch.float64, device=device)
         self.n_buffered = 0  # updates in the buffer
         self.count: Any = 0
@@ -143,9 +141,7 @@ class LossTracker:
         if applied:
             self.held += self.window
             self.held_samples += self.window_samples
-            self.held_update += [self.n_held_updates] * len(self.window)
-            self.n_held_updates += 1
-            self.one_each = self.one_each and len(self.window) == 1
+            self.held_sizes.append(len(self.window))
             self.count = self.count + self.window_count
             if len(self.held) >= CHUNK:
                 self._store()
@@ -201,23 +197,32 @@ class LossTracker:
         if not losses:  # only fillers on this rank
             return torch.zeros(1, dtype=torch.float64, device=self.device)
         values = torch.stack(losses).to(torch.float64)
-        if any(s != 1 for s in samples):
-            values *= torch.tensor(samples, dtype=torch.float64, device=self.device)
-        return values
+        first = samples[0]
+        if all(s == first for s in samples):  # the common case: one op, no copy to the device
+            return values if first == 1 else values.mul_(first)
+        return values.mul_(torch.tensor(samples, dtype=torch.float64, device=self.device))
+
+    def _update_sums(self) -> torch.Tensor:
+        """The held updates' weighted losses summed per update, float64."""
+        sizes = self.held_sizes
+        size = sizes[0]
+        if size and all(s == size for s in sizes):  # the common case: windows alike
+            values = self._weighted(self.held, self.held_samples)
+            return values if size == 1 else values.view(len(sizes), size).sum(1)
+        sums = torch.zeros(len(sizes), dtype=torch.float64, device=self.device)
+        if self.held:  # some updates (with fillers, some ranks' all) hold no loss
+            update = [i for i, size in enumerate(sizes) for _ in range(size)]
+            index = torch.tensor(update, device=self.device)
+            sums.index_add_(0, index, self._weighted(self.held, self.held_samples))
+        return sums
 
     def _store(self) -> None:
         """Weigh the held losses and add each update's sum to the buffer, folding the buffer
         into one sum whenever it is full."""
-        n = self.n_held_updates
+        n = len(self.held_sizes)
         if not n:
             return
-        if self.one_each:
-            sums = self._weighted(self.held, self.held_samples)
-        else:  # several (or, with fillers, no) micro-batches per update
-            sums = torch.zeros(n, dtype=torch.float64, device=self.device)
-            if self.held:
-                index = torch.tensor(self.held_update, device=self.device)
-                sums.index_add_(0, index, self._weighted(self.held, self.held_samples))
+        sums = self._update_sums()
         self._drop_held()
         start = 0
         while start < n:
@@ -231,8 +236,7 @@ class LossTracker:
             start += take
 
     def _drop_held(self) -> None:
-        self.held, self.held_samples, self.held_update = [], [], []
-        self.n_held_updates, self.one_each = 0, True
+        self.held, self.held_samples, self.held_sizes = [], [], []
 
     def _buffered_sum(self) -> torch.Tensor:
         total = self.buffer[: self.n_buffered].sum()

@@ -35,6 +35,7 @@ class Update:
         self.model, self.precision, self.losses = run.model, run.precision, run.losses
         self.timer, self.world, self.strategy = run.timer, run.world, run.strategy
         self.feed, self.loss_fn = run.forward, run.loss_fn
+        self.fp32 = run.precision.amp is None
         self.batches = batches
         self.last = False
         self._first: Any = None
@@ -78,6 +79,8 @@ class Update:
         (a schedule's: it runs them once all are drawn)."""
         if index is not None:
             self._at(self._ended + index)  # the update's first is the pass's next to end
+        if self._as_is():
+            return self.feed(module, batch)
         with self._context(module):
             return self.feed(module, batch)
 
@@ -93,12 +96,20 @@ class Update:
         if index != self.state.batch_idx:  # a schedule's: every micro-batch is drawn
             self._at(index)
         share = self.data.weights[index]
-        with self._context():
-            self.callbacks.on_loss_begin(batch, output)
-            loss = self.losses.add(self.loss_fn(output, batch), share, self.data.samples[index])
+        if self._as_is():
+            loss = self._recorded(output, batch, index)
+        else:
+            with self._context():
+                loss = self._recorded(output, batch, index)
         self.callbacks.on_backward_begin(loss)
         weight = self.losses.weight(share)
         return self.precision.scale(loss if weight == 1.0 else loss * weight)
+
+    def _recorded(self, output: Any, batch: Any, index: int) -> torch.Tensor:
+        """``on_loss_begin``, then micro-batch ``index``'s loss, recorded."""
+        self.callbacks.on_loss_begin(batch, output)
+        share, samples = self.data.weights[index], self.data.samples[index]
+        return self.losses.add(self.loss_fn(output, batch), share, samples)
 
     def end(self) -> None:
         """After the next micro-batch's backward."""
@@ -131,10 +142,14 @@ class Update:
             self.model.train()
         return contextlib.nullcontext()
 
+    def _as_is(self) -> bool:
+        """Whether the forward and the loss run with no context: fp32, a micro-batch that
+        trains, the model in train mode (the common case; a ``with`` costs a micro-second)."""
+        return self.fp32 and self.model.training and not self.state.is_filler
+
     def _context(self, module: nn.Module | None = None) -> contextlib.AbstractContextManager:
-        """Autocast (amp) in the micro-batch's :meth:`mode`. One context, entered twice per
-        micro-batch."""
-        if self.model.training and not self.state.is_filler:  # the common case: as it is
+        """Autocast (amp) in the micro-batch's :meth:`mode`."""
+        if self.model.training and not self.state.is_filler:  # amp's common case
             return self.precision.autocast()
         both = contextlib.ExitStack()
         both.enter_context(self.precision.autocast())
