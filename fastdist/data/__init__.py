@@ -3,7 +3,8 @@ streams."""
 
 from fastdist.data.batches import TrainBatches, split_batches, window_weights
 from fastdist.data.sampler import ResumableSampler
-from fastdist.data.stream import ShardedStream, StreamBatches, StreamShard
+from fastdist.data.stream import StreamBatches
+from fastdist.data.stream_shards import ShardedStream, StreamShard
 from fastdist.data.token_batch import TokenBatchSampler
 
 __all__ = [

@@ -1,8 +1,9 @@
 """Streaming training data: an ``IterableDataset`` sharded over ranks and DataLoader workers.
 
 Every reader (each DataLoader worker of each rank, or each rank without workers) takes a
-disjoint part of the stream: item ``i`` goes to reader ``i % readers`` (:class:`StreamShard`),
-unless the dataset already reads only its own part and says so (:class:`ShardedStream`).
+disjoint part of the stream: item ``i`` goes to reader ``i % readers``
+(:class:`~fastdist.data.StreamShard`), unless the dataset already reads only its own part and
+says so (:class:`~fastdist.data.ShardedStream`).
 Nobody knows in advance how many batches a rank gets, so the ranks agree on them before
 training on them: every rank reads its next :data:`AGREED_UPDATES` update windows (fewer where
 they exceed ``read_ahead_mb``) and one small all-reduce (CPU, on a gloo group of its own)
@@ -23,152 +24,23 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import multiprocessing
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import default_collate
 
 from fastdist.data.batches import window_weights
 from fastdist.data.feed import CountingCollate, batch_bytes
+from fastdist.data.stream_shards import EpochCarrier, ShardedStream, StreamShard, is_stateful
 from fastdist.distributed.collectives import start_all_reduce_sum
 from fastdist.logging import logger
 
 #: Updates one agreement all-reduce (~0.1-1 ms on 2 CPU processes) covers at most.
 AGREED_UPDATES = 16
 Window = tuple[list[tuple[int, Any]], "dict[str, Any] | None"]  # (size, batch)s, position after
-
-
-def is_stateful(data: Any) -> bool:
-    """Whether ``data`` can save and restore its position (torchdata's ``Stateful``)."""
-    return callable(getattr(data, "state_dict", None)) and callable(
-        getattr(data, "load_state_dict", None)
-    )
-
-
-class EpochCarrier(IterableDataset):
-    """Wraps ``dataset`` so that :meth:`set_epoch` reaches the DataLoader workers reading it.
-
-    A worker reads its own copy of the dataset, made when it started; a persistent worker
-    (``persistent_workers=True``) never sees ``set_epoch`` called on the main process's. The
-    epoch is kept in shared memory and handed to the worker's copy when it starts a pass.
-    """
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-        self._epoch = multiprocessing.RawValue("q", -1)  # -1: never set
-
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch, for a dataset that shuffles by it."""
-        self._epoch.value = epoch
-
-    def _at_epoch(self) -> Any:
-        """The dataset, told the current epoch (in whichever process reads it)."""
-        if self._epoch.value >= 0 and hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(self._epoch.value)
-        return self.dataset
-
-
-class StreamShard(EpochCarrier):
-    """This reader's items of ``dataset``: item ``i`` if ``i % readers == reader``.
-
-    Readers are the DataLoader workers of all ranks (``rank * workers + worker`` of
-    ``world_size * workers``). Every reader iterates the whole stream and keeps its items, so
-    any iterable can be sharded, at the cost of reading (not training on) everything
-    ``readers`` times. Every rank must pass the same stream: one split per rank beforehand
-    would be split again (wrap such a stream in :class:`ShardedStream`).
-    """
-
-    def __init__(self, dataset: Any, rank: int, world_size: int) -> None:
-        super().__init__(dataset)
-        self.rank, self.world_size = rank, world_size
-        self._taken = False  # this reader kept an item since the (resumed) start
-        self._resume: dict[str, Any] | None = None
-
-    def __iter__(self) -> Iterator[Any]:
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        readers, reader = self.world_size * workers, self.rank * workers + worker
-        dataset = self._at_epoch()
-        resume, self._resume = self._resume, None
-        first, self._taken = reader, False
-        if resume is not None:
-            dataset.load_state_dict(resume["dataset"])
-            self._taken = resume["taken"]
-            if self._taken:  # the dataset stands just after this reader's last item
-                first = readers - 1
-        for item in itertools.islice(iter(dataset), first, None, readers):
-            self._taken = True
-            yield item
-
-    def state_dict(self) -> dict[str, Any]:
-        """The dataset's position and whether this reader's first item is behind it."""
-        return {"dataset": self.dataset.state_dict(), "taken": self._taken}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` at the next ``iter()``."""
-        self._resume = state
-
-
-class ShardedStream(EpochCarrier):
-    """A stream that reads only this reader's part itself: fastdist takes it as it is.
-
-    Wrap a dataset that splits its sources by data shard and DataLoader worker, as streaming
-    libraries do by rank, so that it is not split a second time. The data shard is the rank
-    among the ranks that train on different data (tensor-parallel peers share one): read it
-    when the dataset is built, in the main process, from the strategy's layout
-    (``Topology.of(strategy).data_shard``, :class:`fastdist.strategies.Topology`; without
-    tensor parallelism it is the rank), say it here, and read the worker in ``__iter__``
-    (``torch.utils.data.get_worker_info()``): ``__iter__`` runs in forked DataLoader workers,
-    where torch.distributed must not be called (a worker that did stalled once in our tests).
-    The parts may differ in length: the ranks still agree on every update and end the epoch
-    together. ``state_dict``/``load_state_dict`` and ``set_epoch`` of the dataset are used as
-    they are.
-
-    Args:
-        dataset: the stream of this data shard's items.
-        rank, size: the data shard it reads, of how many; the trainer checks them against its
-            topology. ``None``: the rank and world size (refused where tensor-parallel peers
-            share a shard).
-
-    Example:
-        >>> shard = Topology.of(FSDP()).data_shard  # of the strategy the trainer gets
-        >>> part = range(shard.rank, 10, shard.size)  # a stream reading its own part
-        >>> stream = ShardedStream(part, shard.rank, shard.size)
-    """
-
-    def __init__(self, dataset: Any, rank: int | None = None, size: int | None = None) -> None:
-        super().__init__(dataset)
-        self.rank, self.size = rank, size
-
-    def check_shard(self, rank: int, size: int, world_size: int) -> None:
-        """Raise unless this stream reads data shard ``rank`` of ``size`` (of ``world_size``
-        ranks)."""
-        given = (self.rank, self.size)
-        if given == (None, None) and size == world_size:
-            return
-        if given != (rank, size):
-            said = (
-                "no data shard" if given == (None, None) else f"data shard {given[0]} of {given[1]}"
-            )
-            raise ValueError(
-                f"ShardedStream says it reads {said}, but this rank trains on data shard "
-                f"{rank} of {size} (tensor-parallel peers share one, and must read the same "
-                "items): split the stream by Topology.of(strategy).data_shard, not by the rank, "
-                "and pass ShardedStream(stream, shard.rank, shard.size)"
-            )
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._at_epoch())
-
-    def state_dict(self) -> Any:
-        return self.dataset.state_dict()
-
-    def load_state_dict(self, state: Any) -> None:
-        self.dataset.load_state_dict(state)
 
 
 class StreamBatches:
@@ -239,7 +111,9 @@ class StreamBatches:
         self._saved: dict[str, Any] | None = None  # a checkpoint's position, until resumed
         self._unsaved_why: str | None = None  # why a checkpoint holds no usable position
         self._state: dict[str, Any] | None = None  # the loader's position after the window
+        self._read_last: dict[str, Any] | None = None  # that after the last window read
         self._ends: dict[int, tuple[int, int]] = {}  # micro-batches done -> position
+        self.epoch = 0
 
     def n_updates(self, epoch: int, samples: int = 0, batches: int = 0) -> None:
         """Unknown for a stream."""
@@ -248,18 +122,26 @@ class StreamBatches:
     def begin(self, epoch: int, samples: int, batches: int) -> None:
         """Start a pass of ``epoch`` from the position ``(samples, batches)``."""
         self.source.set_epoch(epoch)
-        self.weights, self.samples = [], []
+        self.epoch, self.weights, self.samples = epoch, [], []
         self._ends = {0: (samples, batches)}
 
     def iterate(self) -> Iterator[Any]:
         """This rank's batches of the pass, with fillers; ``iter()`` of the loader runs now."""
         resume, self._resume = self._resume, None
-        self.exhausted = resume is not None and resume["exhausted"]
+        self.exhausted, self._read_last = resume is not None and resume["exhausted"], None
+        if resume is not None and self.last is None:  # its part may end before it reads one
+            self.last = self._first_batch()
         if resume is not None and not self.exhausted:
             self.loader.load_state_dict(resume["loader"])
-        if self.exhausted and self.last is None:  # resumed after this rank's part ended:
-            _, self.last = next(iter(self.loader))  # a batch for its fillers (weight 0)
         return self._windows(iter(()) if self.exhausted else iter(self.loader))
+
+    def _first_batch(self) -> Any:
+        """This rank's first batch of the pass (``None`` if it has none), read without moving
+        the stream: what a resumed rank repeats as its fillers (weight 0)."""
+        start = self.loader.state_dict()
+        _, batch = next(iter(self.loader), (0, None))
+        self.loader.load_state_dict(start)  # the next iter() starts where this one did
+        return batch
 
     def _windows(self, batches: Iterator[tuple[int, Any]]) -> Iterator[Any]:
         k, group = self.update_every, self._read(batches, 1)
@@ -269,6 +151,12 @@ class StreamBatches:
         while True:
             for j, sizes in enumerate(agreed()):
                 length = max(map(len, sizes))
+                if not length and self._ends == {0: (0, 0)}:  # every rank's, from the start
+                    raise ValueError(
+                        f"train_data, a stream, gave no item in epoch {self.epoch} on any rank: "
+                        "it is empty, or it can be read only once (its __iter__ must start "
+                        "anew every epoch)"
+                    )
                 if not length:  # no rank has a batch left: the epoch ends here, on every rank
                     return
                 own, self._state = group[j]  # a checkpoint after this window resumes there
@@ -292,10 +180,15 @@ class StreamBatches:
         windows = []
         for _ in range(count):
             own = [] if self.exhausted else list(itertools.islice(batches, self.update_every))
+            if not own and not self.exhausted and self._read_last is not None:
+                # The window before ended the stream: a resume there reads nothing more (its
+                # position may not say so: a stream may start anew after its last item).
+                self._read_last.update(loader=None, exhausted=True)
             self.exhausted = len(own) < self.update_every
             if own:
                 self.last = own[-1][1]
-            windows.append((own, self._loader_state()))
+            self._read_last = self._loader_state()
+            windows.append((own, self._read_last))
         return windows
 
     def _size_read_ahead(self, first: list[Window]) -> int:

@@ -38,17 +38,19 @@ class Stream(IterableDataset):
 
 
 class StatefulStream(Stream):
-    """A stream that saves its position (torchdata's ``Stateful`` protocol): that of the
-    current iteration, back to 0 when one ends (the next epoch starts afresh)."""
+    """Samples ``first`` to ``n - 1`` as a stream that saves its position (torchdata's
+    ``Stateful`` protocol): that of the current iteration, back to 0 when one ends (the next
+    epoch starts afresh)."""
 
-    def __init__(self, n: int = N_ITEMS) -> None:
+    def __init__(self, n: int = N_ITEMS, first: int = 0) -> None:
         super().__init__(n)
-        self.position = 0  # the next item of the current iteration
+        self.first = first
+        self.position = 0  # items of the current iteration read
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         start, self.position = self.position, 0
-        for i in range(start, self.n):
-            self.position = i + 1
+        for i in range(self.first + start, self.n):
+            self.position = i + 1 - self.first
             yield self.data[i]
         self.position = 0
 
@@ -140,12 +142,15 @@ def case_uneven() -> dict[str, Any]:
 
 
 def case_empty() -> dict[str, Any]:
-    """One item for two ranks: rank 1 has nothing to repeat; every rank must say so."""
-    try:
-        stream_trainer(Stream(1), n_epochs=1).train()
-    except RuntimeError as exc:
-        return {"error": str(exc)}
-    return {"error": None}
+    """One item for two ranks (rank 1 has nothing to repeat), and none: every rank must say
+    so."""
+    errors: dict[str, Any] = {}
+    for n in (1, 0):
+        try:
+            stream_trainer(Stream(n), n_epochs=1).train()
+        except (RuntimeError, ValueError) as exc:
+            errors[str(n)] = str(exc)
+    return errors
 
 
 def case_resume(out: Path) -> dict[str, Any]:
@@ -182,6 +187,34 @@ def case_resume_after_end(out: Path) -> dict[str, Any]:
         )
 
     return _resume_pair(build, out / "resume-after-end", stop_at=7)
+
+
+def case_resume_where_a_part_ended(out: Path) -> dict[str, Any]:
+    """Resumed where a rank's part of a stateful stream had ended, two epochs each. 9 items,
+    batches of 2, one per update: rank 0 reads 0, 2, 4, 6, 8 in 3 batches, rank 1 reads 1, 3,
+    5, 7 in 2. After update 3, the last of epoch 1, which the stream's position (back at 0)
+    does not show; after update 2, where rank 1's part has ended and it reads nothing once
+    resumed. And a ShardedStream whose rank 1 part (1 item) ends before rank 0's (5), after
+    update 2, where rank 1 has nothing left and rank 0 one batch."""
+
+    def trainer(data: IterableDataset, callbacks: list[Callback], save: Path | None) -> DistTrainer:
+        options = {"batch_size_per_gpu": 2, "update_every": 1, "print_every": 1}
+        return stream_trainer(
+            data, callbacks_all=callbacks, save_path=save, checkpoint_every=1, **options
+        )
+
+    def whole(callbacks: list[Callback], save_path: Path | None) -> DistTrainer:
+        return trainer(StatefulStream(9), callbacks, save_path)
+
+    def sharded(callbacks: list[Callback], save_path: Path | None) -> DistTrainer:
+        part = StatefulStream(5) if get_rank() == 0 else StatefulStream(6, first=5)
+        return trainer(ShardedStream(part), callbacks, save_path)
+
+    return {
+        "at_the_end": _resume_pair(whole, out / "end-of-epoch", stop_at=3),
+        "nothing_left": _resume_pair(whole, out / "nothing-left", stop_at=2),
+        "sharded": _resume_pair(sharded, out / "sharded-part-ended", stop_at=2),
+    }
 
 
 class EpochShuffled(Stream):
@@ -246,7 +279,10 @@ def main(argv: list[str]) -> int:
     }
     if get_world_size() > 1:
         results.update(
-            uneven=case_uneven(), empty=case_empty(), resume_after_end=case_resume_after_end(out)
+            uneven=case_uneven(),
+            empty=case_empty(),
+            resume_after_end=case_resume_after_end(out),
+            resume_where_a_part_ended=case_resume_where_a_part_ended(out),
         )
     write_json(out, results)
     return 0
