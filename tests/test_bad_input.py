@@ -4,8 +4,8 @@ Every row is a set of ``DistTrainer`` keywords (over the worker's working defaul
 raise the given exception, with a message holding the given words (the argument and the fix),
 the same message on both ranks. Rows checked at construction (``"init"``) must raise before
 the process group exists; rows that can only be seen at the first micro-batch
-(``"first_batch"``: the loss, the batch fields) must raise there on every rank, and the
-world goes on to the next row. Then rank 0 calls every collective entry point of
+(``"first_batch"``: the loss, the batch fields; ``"log_step"``: the losses of the updates
+before it) must raise there on every rank, and the world goes on to the next row. Then rank 0 calls every collective entry point of
 :data:`GUARDED_CALLS` (imported by name) inside the callbacks_master guard, and last a
 callbacks_master hook calls ``barrier`` (imported by name at the top of this module): rank 0
 raises at once, and rank 1, which went on training, must fail soon after, not after torch's
@@ -54,7 +54,8 @@ FAIL_BOUND = 15.0  # seconds from rank 0's error in a hook to rank 1's
 @dataclass(frozen=True)
 class Row:
     """One bad input: ``given`` (keywords, or a builder of them), the exception's type name,
-    words its message must hold, and when it is raised (``"init"`` or ``"first_batch"``)."""
+    words its message must hold, and when it is raised (``"init"``, ``"first_batch"``, or
+    ``"log_step"``: the first, with ``print_every=1``)."""
 
     given: dict[str, Any] | Callable[[], dict[str, Any]]
     error: str
@@ -486,6 +487,31 @@ ROWS: dict[str, Row] = {
         f"{FIELDS} | rename the dataset's fields | **kwargs",
         when="first_batch",
     ),
+    "loss_a_tuple_of_three": row(
+        {"loss": lambda output, batch: (F.cross_entropy(output, batch["target"]), 1, 2)},
+        "ValueError: loss returned a tuple of 3 | a (sum, count) pair",
+        when="first_batch",
+    ),
+    "loss_detached": row(
+        {"loss": lambda output, batch: F.cross_entropy(output, batch["target"]).detach()},
+        "ValueError: loss returned a tensor that does not require grad | torch.no_grad()",
+        when="first_batch",
+    ),
+    "collate_returns_none": row(
+        {"collate_fn": lambda samples: None},
+        "TypeError: collate_fn returned NoneType, which cannot feed ToyNet.forward | a tensor, "
+        "a tuple or list (x, ..., y), or a dict",
+        when="first_batch",
+    ),
+    "loss_counts_nothing": row(
+        {
+            "loss": lambda output, batch: (F.cross_entropy(output, batch["target"]), 0),
+            "print_every": 1,
+        },
+        "ValueError: loss returned (sum, count) pairs whose counts add up to 0 over the updates "
+        "up to step 1 | count must be the number of items",
+        when="log_step",
+    ),
     "batch_shares_no_parameter": row(
         lambda: {"train_data": Renamed(32), "model": OptionalNet()},
         "TypeError: OptionalNet.forward(tokens=..., mask=...) shares no name with the batch | "
@@ -568,8 +594,9 @@ def test_bad_input_fails_alike_on_every_rank(name: str, launch: Launch) -> None:
         _check_error(error, expected, rank)
         if expected.when == "init":
             assert not error["group_after"], f"rank {rank}: process group formed before the error"
-        else:  # the first micro-batch of the first epoch, and reported
-            assert (error["global_step"], error["batch_idx"]) == (0, 0), error
+        else:  # the first micro-batch of the first epoch (the first log step), and reported
+            step = 1 if expected.when == "log_step" else 0
+            assert (error["global_step"], error["batch_idx"]) == (step, 0), error
             assert (
                 f"rank {rank} raised {expected.error}: {error['message']}" in launch.result.output
             )

@@ -80,6 +80,11 @@ def make_forward(model: nn.Module, evaluation: bool = False) -> Callable[[nn.Mod
             return call(**(batch if takes_all else {k: batch[k] for k in names & batch.keys()}))
         if isinstance(batch, (list, tuple)):
             return call(*batch[:-1]) if len(batch) > 1 else call(batch[0])
+        if batch is None or isinstance(batch, (str, bytes, int, float)):
+            raise TypeError(
+                f"collate_fn returned {type(batch).__name__}, which cannot feed {forward_name}: "
+                "return a tensor, a tuple or list (x, ..., y), or a dict of forward's fields"
+            )
         return call(batch)
 
     return forward

@@ -71,6 +71,11 @@ class LossTracker:
         loss, count = result, samples
         self.counted = isinstance(result, tuple)
         if self.counted:
+            if len(result) != 2:
+                raise ValueError(
+                    f"loss returned a tuple of {len(result)}: return a scalar tensor (the mean "
+                    "over the micro-batch) or a (sum, count) pair"
+                )
             loss, count = result
             samples = 1
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -78,6 +83,12 @@ class LossTracker:
             raise ValueError(
                 f"loss must return a scalar tensor (the mean over the micro-batch) or a (sum, "
                 f"count) pair, got {shape}: reduce it inside the loss, e.g. with .mean()"
+            )
+        if not loss.requires_grad:
+            raise ValueError(
+                "loss returned a tensor that does not require grad (detached, computed under "
+                "torch.no_grad(), or made from .item() values): compute it from the model's "
+                "output with torch operations"
             )
         if share:
             self.window.append(loss.detach())

@@ -141,6 +141,12 @@ class Sync:
         if taken:  # every group reads a log step at the same update
             pair = torch.tensor([loss_sum, count], dtype=torch.float64, device=self.device)
             loss_sum, count = self.across(pair).tolist()
+            if not count and loss_sum:  # its gradients were divided by 1, not 0
+                raise ValueError(
+                    f"loss returned (sum, count) pairs whose counts add up to 0 over the updates "
+                    f"up to step {step}, but not their sums: count must be the number of items "
+                    "(e.g. tokens) the sum is over"
+                )
         return Agreement(
             stop_requested=stop > 0,
             preempted=preempted > 0,

@@ -67,7 +67,7 @@ def run_row(row: Row) -> dict[str, Any]:
     trainer = None
     try:  # a strategy object checks its options when it is built, in the builder
         trainer = build(row)
-        if row.when == "first_batch":
+        if row.when != "init":
             trainer.train()
     except Exception as exc:
         error = error_of(exc)
