@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -9,10 +11,15 @@ from fastdist.trainer import loss_tracker
 from fastdist.trainer.loss_tracker import LossTracker
 
 
+def loss(value: float) -> torch.Tensor:
+    """A micro-batch's loss, as a model's output gives it: it requires grad."""
+    return torch.tensor(value, requires_grad=True)
+
+
 def _train(tracker: LossTracker, losses: list[float], update_every: int = 1) -> None:
     """Feed ``losses`` as micro-batches; every ``update_every`` of them close an update."""
     for i, value in enumerate(losses, start=1):
-        tracker.add(torch.tensor(value))
+        tracker.add(loss(value))
         if i % update_every == 0:
             tracker.end_window(applied=True)
 
@@ -21,17 +28,39 @@ def test_pending_sums_the_applied_updates_only() -> None:
     tracker = LossTracker(torch.device("cpu"))
     tracker.reset(step=0)
     _train(tracker, [1.0, 2.0, 3.0, 4.0], update_every=2)
-    tracker.add(torch.tensor(100.0))
+    tracker.add(loss(100.0))
     tracker.end_window(applied=False)  # a skipped update counts for nothing
     assert tracker.pending().tolist() == [10.0, 4.0]
     tracker.reset(step=2)
     assert tracker.pending().tolist() == [0.0, 0.0]
 
 
+@pytest.mark.parametrize(
+    "windows",
+    [
+        [[(1.0, 4), (2.0, 4)], [(3.0, 4), (5.0, 4)]],  # alike: one sum per update's row
+        [[(1.0, 4), (2.0, 3)], [], [(3.0, 1), (5.0, 4), (7.0, 2)]],  # sizes and windows differ
+    ],
+)
+def test_each_update_sums_its_losses_times_their_samples(windows: list[list[Any]]) -> None:
+    """What a log step reads, and the NaN search's per-update sums, whatever the windows."""
+    tracker = LossTracker(torch.device("cpu"))
+    tracker.reset(step=0)
+    for window in windows:
+        for value, samples in window:
+            tracker.add(loss(value), samples=samples)
+        tracker.end_window(applied=True)
+    expected = [sum(value * samples for value, samples in window) for window in windows]
+    tracker._store()
+    assert tracker.buffer[: tracker.n_buffered].tolist() == expected
+    count = sum(samples for window in windows for _, samples in window)
+    assert tracker.pending().tolist() == [sum(expected), count]
+
+
 def test_counted_losses_sum_their_counts() -> None:
     tracker = LossTracker(torch.device("cpu"))
-    tracker.add((torch.tensor(6.0), torch.tensor(3)))
-    tracker.add((torch.tensor(4.0), 2))
+    tracker.add((loss(6.0), torch.tensor(3)))
+    tracker.add((loss(4.0), 2))
     tracker.end_window(applied=True)
     assert tracker.pending().tolist() == [10.0, 5.0]
 
@@ -91,17 +120,17 @@ def test_a_pipeline_agrees_on_the_loss_kind_once(monkeypatch: pytest.MonkeyPatch
     grad = model.weight.grad.clone()
     tracker = LossTracker(torch.device("cpu"))
     for _ in range(3):
-        tracker.add(torch.tensor(1.0), share=0.5, samples=4)
+        tracker.add(loss(1.0), share=0.5, samples=4)
         tracker.normalize(model, 1, None, everywhere=True)
         tracker.end_window(applied=True)
     assert len(reduced) == 1 and tracker.agreed is False
     assert torch.equal(model.weight.grad, grad)  # a mean's gradients are already weighted
-    tracker.add((torch.tensor(3.0), 2))
+    tracker.add((loss(3.0), 2))
     with pytest.raises(ValueError, match="return one kind throughout"):
         tracker.normalize(model, 1, None, everywhere=True)
     counted = LossTracker(torch.device("cpu"))
     for _ in range(2):  # a (sum, count) loss: its count reduced every update
-        counted.add((torch.tensor(3.0), 2))
+        counted.add((loss(3.0), 2))
         counted.normalize(model, 1, None, everywhere=True)
         counted.end_window(applied=True)
     assert len(reduced) == 3 and counted.agreed is True
