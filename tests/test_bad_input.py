@@ -5,11 +5,12 @@ raise the given exception, with a message holding the given words (the argument 
 the same message on both ranks. Rows checked at construction (``"init"``) must raise before
 the process group exists; rows that can only be seen at the first micro-batch
 (``"first_batch"``: the loss, the batch fields; ``"log_step"``: the losses of the updates
-before it) must raise there on every rank, and the world goes on to the next row. Then rank 0 calls every collective entry point of
-:data:`GUARDED_CALLS` (imported by name) inside the callbacks_master guard, and last a
-callbacks_master hook calls ``barrier`` (imported by name at the top of this module): rank 0
-raises at once, and rank 1, which went on training, must fail soon after, not after torch's
-30-minute timeout. tests/workers/bad_input_worker.py runs the table.
+before it) must raise there on every rank, and the world goes on to the next row. Then rank 0
+calls every collective entry point of :data:`GUARDED_CALLS` (imported by name) inside the
+callbacks_master guard, and last a callbacks_master hook calls ``barrier`` (imported by name
+at the top of this module): rank 0 raises at once, and rank 1, which went on training, must
+fail soon after, not after torch's 30-minute timeout. tests/workers/bad_input_worker.py runs
+the table.
 """
 
 from __future__ import annotations
