@@ -135,6 +135,19 @@ def test_a_resume_where_a_part_ended_trains_every_item_once(case: str, worlds: A
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", ["whole", "sharded"])
+def test_a_run_resumed_twice_in_an_epoch_with_workers_is_bit_exact(case: str, worlds: Any) -> None:
+    """2 workers, stopped after update 1 and, resumed, after update 2: the second resume
+    trained items again (a worker's state saved from before the first resume; a worker whose
+    part had ended read it whole again)."""
+    _, ranks = worlds(2)
+    for data in ranks:
+        run = data["resumed_twice"][case]
+        assert (run["resumed_at"], run["steps"]) == (2, 8)
+        assert run["resumed"] == run["straight"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [1, 2])
 def test_set_epoch_reaches_persistent_workers(size: int, worlds: Any) -> None:
     """Every epoch in its own order with persistent workers too (they repeated epoch 1's)."""

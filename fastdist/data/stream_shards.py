@@ -56,6 +56,7 @@ class StreamShard(EpochCarrier):
         super().__init__(dataset)
         self.rank, self.world_size = rank, world_size
         self._taken = False  # this reader kept an item since the (resumed) start
+        self._ended = False  # this reader's iteration has ended
         self._resume: dict[str, Any] | None = None
 
     def __iter__(self) -> Iterator[Any]:
@@ -64,19 +65,29 @@ class StreamShard(EpochCarrier):
         readers, reader = self.world_size * workers, self.rank * workers + worker
         dataset = self._at_epoch()
         resume, self._resume = self._resume, None
-        first, self._taken = reader, False
+        first, self._taken, self._ended = reader, False, False
         if resume is not None:
             dataset.load_state_dict(resume["dataset"])
-            self._taken = resume["taken"]
+            self._taken, self._ended = resume["taken"], resume.get("ended", False)
             if self._taken:  # the dataset stands just after this reader's last item
                 first = readers - 1
-        for item in itertools.islice(iter(dataset), first, None, readers):
+        if self._ended:  # its position may not say so: a stream may start anew at its end
+            return iter(())
+        return self._kept(itertools.islice(iter(dataset), first, None, readers))
+
+    def _kept(self, items: Iterator[Any]) -> Iterator[Any]:
+        for item in items:
             self._taken = True
             yield item
+        self._ended = True
 
     def state_dict(self) -> dict[str, Any]:
-        """The dataset's position and whether this reader's first item is behind it."""
-        return {"dataset": self.dataset.state_dict(), "taken": self._taken}
+        """The dataset's position, whether this reader's first item is behind it and whether
+        its iteration ended; or a state loaded and not yet read from (a DataLoader worker's
+        snapshot may be taken then)."""
+        if self._resume is not None:
+            return self._resume
+        return {"dataset": self.dataset.state_dict(), "taken": self._taken, "ended": self._ended}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` at the next ``iter()``."""
@@ -113,6 +124,8 @@ class ShardedStream(EpochCarrier):
     def __init__(self, dataset: Any, rank: int | None = None, size: int | None = None) -> None:
         super().__init__(dataset)
         self.rank, self.size = rank, size
+        self._ended = False  # this reader's iteration has ended (or had, when resumed)
+        self._skip = False  # a state loaded says it had ended: the next iteration reads nothing
 
     def check_shard(self, rank: int, size: int, world_size: int) -> None:
         """Raise unless this stream reads data shard ``rank`` of ``size`` (of ``world_size``
@@ -132,10 +145,20 @@ class ShardedStream(EpochCarrier):
             )
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._at_epoch())
+        self._ended, self._skip = self._skip, False
+        return iter(()) if self._ended else self._read(iter(self._at_epoch()))
 
-    def state_dict(self) -> Any:
-        return self.dataset.state_dict()
+    def _read(self, items: Iterator[Any]) -> Iterator[Any]:
+        yield from items
+        self._ended = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The dataset's own state and whether this reader's iteration ended (a stream may
+        start anew at its end, where its position cannot say so)."""
+        return {"dataset": self.dataset.state_dict(), "ended": self._ended or self._skip}
 
     def load_state_dict(self, state: Any) -> None:
-        self.dataset.load_state_dict(state)
+        if not (isinstance(state, dict) and state.keys() == {"dataset", "ended"}):
+            state = {"dataset": state, "ended": False}  # saved by fastdist before 2026-11-27
+        self.dataset.load_state_dict(state["dataset"])
+        self._skip = state["ended"]

@@ -61,6 +61,18 @@ class StatefulStream(Stream):
         self.position = state["position"]
 
 
+class WorkerPart(StatefulStream):
+    """A StatefulStream split among the DataLoader workers reading it (item ``i`` to worker
+    ``i % workers``), as a source of many files is: each worker's copy keeps its position."""
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        for item in super().__iter__():
+            if item["idx"] % workers == worker:
+                yield item
+
+
 class OwnPart(Stream):
     """Reads only its reader's contiguous range of the items, as a sharded source does
     (readers: DataLoader workers of all ranks; the ranges differ in length by one). The rank
@@ -217,6 +229,43 @@ def case_resume_where_a_part_ended(out: Path) -> dict[str, Any]:
     }
 
 
+def case_resumed_twice(out: Path) -> dict[str, Any]:
+    """Stopped after update 1, resumed and stopped again after update 2, resumed again: 2
+    workers, 11 items read whole, and a ShardedStream of parts of 7 and 2 items split among
+    the workers (a worker whose part ended read it all again; a worker that had read nothing
+    since the first resume saved its state from before it, and read its items again)."""
+
+    def trainer(data: IterableDataset, callbacks: list[Callback], save: Path | None) -> DistTrainer:
+        options = {"batch_size_per_gpu": 2, "update_every": 1, "print_every": 1}
+        return stream_trainer(
+            data, num_workers=2, callbacks_all=callbacks, save_path=save, checkpoint_every=1,
+            **options,
+        )  # fmt: skip
+
+    def whole(callbacks: list[Callback], save_path: Path | None) -> DistTrainer:
+        return trainer(StatefulStream(11), callbacks, save_path)
+
+    def sharded(callbacks: list[Callback], save_path: Path | None) -> DistTrainer:
+        part = WorkerPart(7) if get_rank() == 0 else WorkerPart(9, first=7)
+        return trainer(ShardedStream(part), callbacks, save_path)
+
+    results = {}
+    for name, build in (("whole", whole), ("sharded", sharded)):
+        straight = build([StopAt(-1)], None)
+        straight.train()
+        for stop in (1, 2):
+            build([StopAt(stop)], out / f"twice-{name}").train()
+        resumed = build([StopAt(-1)], out / f"twice-{name}")
+        steps = resumed.train()["steps"]
+        results[name] = {
+            "straight": flat_params(straight.model),
+            "resumed": flat_params(resumed.model),
+            "steps": steps,
+            "resumed_at": resumed.callbacks_all[-1].began_at,
+        }
+    return results
+
+
 class EpochShuffled(Stream):
     """The stream in an order drawn from the epoch set by ``set_epoch``."""
 
@@ -283,6 +332,7 @@ def main(argv: list[str]) -> int:
             empty=case_empty(),
             resume_after_end=case_resume_after_end(out),
             resume_where_a_part_ended=case_resume_where_a_part_ended(out),
+            resumed_twice=case_resumed_twice(out),
         )
     write_json(out, results)
     return 0
