@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from fastdist import DistTrainer
 from fastdist.callbacks import WarmupCallback
-from fastdist.data import StreamShard
+from fastdist.data import ShardedStream, StreamShard
 from fastdist.trainer.progress import Progress
 
 WORKER = Path(__file__).resolve().parent / "workers" / "stream_worker.py"
@@ -215,3 +215,26 @@ def test_log_line_of_an_unknown_length(caplog: pytest.LogCaptureFixture) -> None
         progress.mark(5, lr=0.1)
         progress.log(epoch=1, step=5, total=None, loss=0.5)
     assert "epoch 1 step 5/? loss 0.5000" in caplog.text
+
+
+class Positioned(Numbers):
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+def test_a_sharded_stream_reads_its_state_of_before_the_ended_flag() -> None:
+    """Its state is {dataset, ended} now; one a checkpoint holds from before is the dataset's."""
+    stream = ShardedStream(Positioned(4))
+    stream.load_state_dict({"position": 3})
+    assert stream.dataset.position == 3
+    assert stream.state_dict() == {"dataset": {"position": 3}, "ended": False}
+    stream.load_state_dict({"dataset": {"position": 1}, "ended": True})
+    assert stream.dataset.position == 1 and list(stream) == []  # ended: nothing more this pass
+    assert len(list(stream)) == 4  # the next pass reads it all
