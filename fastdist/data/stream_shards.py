@@ -107,7 +107,7 @@ class ShardedStream(EpochCarrier):
     where torch.distributed must not be called (a worker that did stalled once in our tests).
     The parts may differ in length: the ranks still agree on every update and end the epoch
     together. ``state_dict``/``load_state_dict`` and ``set_epoch`` of the dataset are used as
-    they are.
+    they are; the state saved adds whether this reader's iteration had ended.
 
     Args:
         dataset: the stream of this data shard's items.
