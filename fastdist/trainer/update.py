@@ -95,20 +95,20 @@ class Update:
         self._lost += 1
         if index != self.state.batch_idx:  # a schedule's: every micro-batch is drawn
             self._at(index)
-        share = self.data.weights[index]
+        share, samples = self.data.weights[index], self.data.samples[index]
         if self._as_is():
-            loss = self._recorded(output, batch, index)
+            loss = self._recorded(output, batch, share, samples)
         else:
             with self._context():
-                loss = self._recorded(output, batch, index)
+                loss = self._recorded(output, batch, share, samples)
         self.callbacks.on_backward_begin(loss)
         weight = self.losses.weight(share)
         return self.precision.scale(loss if weight == 1.0 else loss * weight)
 
-    def _recorded(self, output: Any, batch: Any, index: int) -> torch.Tensor:
-        """``on_loss_begin``, then micro-batch ``index``'s loss, recorded."""
+    def _recorded(self, output: Any, batch: Any, share: float, samples: int) -> torch.Tensor:
+        """``on_loss_begin``, then the micro-batch's loss, recorded with its ``share`` of the
+        update and its ``samples``."""
         self.callbacks.on_loss_begin(batch, output)
-        share, samples = self.data.weights[index], self.data.samples[index]
         return self.losses.add(self.loss_fn(output, batch), share, samples)
 
     def end(self) -> None:
