@@ -100,6 +100,23 @@ def stream_trainer(data: IterableDataset, **kwargs: Any) -> DistTrainer:
     return make_trainer(data, timeout=60, **{**options, **kwargs})
 
 
+def checkpointed_each_update(
+    data: IterableDataset, callbacks: list[Callback], save_path: Path | None, **kwargs: Any
+) -> DistTrainer:
+    """The stream trainer with batches of 2, one per update, a log step and a checkpoint
+    after each update (what the resume cases stop and resume at)."""
+    return stream_trainer(
+        data,
+        batch_size_per_gpu=2,
+        update_every=1,
+        print_every=1,
+        checkpoint_every=1,
+        callbacks_all=callbacks,
+        save_path=save_path,
+        **kwargs,
+    )
+
+
 def case_coverage() -> dict[str, Any]:
     """Sample ids per epoch with 0 and 2 DataLoader workers; evaluation and log steps run."""
     results = {}
@@ -209,18 +226,12 @@ def case_resume_where_a_part_ended(out: Path) -> dict[str, Any]:
     resumed. And a ShardedStream whose rank 1 part (1 item) ends before rank 0's (5), after
     update 2, where rank 1 has nothing left and rank 0 one batch."""
 
-    def trainer(data: IterableDataset, callbacks: list[Callback], save: Path | None) -> DistTrainer:
-        options = {"batch_size_per_gpu": 2, "update_every": 1, "print_every": 1}
-        return stream_trainer(
-            data, callbacks_all=callbacks, save_path=save, checkpoint_every=1, **options
-        )
-
     def whole(callbacks: list[Callback], save_path: Path | None) -> DistTrainer:
-        return trainer(StatefulStream(9), callbacks, save_path)
+        return checkpointed_each_update(StatefulStream(9), callbacks, save_path)
 
     def sharded(callbacks: list[Callback], save_path: Path | None) -> DistTrainer:
         part = StatefulStream(5) if get_rank() == 0 else StatefulStream(6, first=5)
-        return trainer(ShardedStream(part), callbacks, save_path)
+        return checkpointed_each_update(ShardedStream(part), callbacks, save_path)
 
     return {
         "at_the_end": _resume_pair(whole, out / "end-of-epoch", stop_at=3),
@@ -235,19 +246,12 @@ def case_resumed_twice(out: Path) -> dict[str, Any]:
     the workers (a worker whose part ended read it all again; a worker that had read nothing
     since the first resume saved its state from before it, and read its items again)."""
 
-    def trainer(data: IterableDataset, callbacks: list[Callback], save: Path | None) -> DistTrainer:
-        options = {"batch_size_per_gpu": 2, "update_every": 1, "print_every": 1}
-        return stream_trainer(
-            data, num_workers=2, callbacks_all=callbacks, save_path=save, checkpoint_every=1,
-            **options,
-        )  # fmt: skip
-
     def whole(callbacks: list[Callback], save_path: Path | None) -> DistTrainer:
-        return trainer(StatefulStream(11), callbacks, save_path)
+        return checkpointed_each_update(StatefulStream(11), callbacks, save_path, num_workers=2)
 
     def sharded(callbacks: list[Callback], save_path: Path | None) -> DistTrainer:
         part = WorkerPart(7) if get_rank() == 0 else WorkerPart(9, first=7)
-        return trainer(ShardedStream(part), callbacks, save_path)
+        return checkpointed_each_update(ShardedStream(part), callbacks, save_path, num_workers=2)
 
     results = {}
     for name, build in (("whole", whole), ("sharded", sharded)):
