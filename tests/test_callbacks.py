@@ -291,6 +291,19 @@ def test_to_device_keeps_namedtuple_batches() -> None:
     assert torch.equal(moved.x, batch.x) and torch.equal(moved.target, batch.target)
 
 
+def test_to_device_returns_a_flat_batch_already_there_as_it_is() -> None:
+    """No new container per micro-batch where nothing moves (CPU training); a batch with a
+    tensor elsewhere, or an item that is not a tensor, is still a new container."""
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    pair, fields = (torch.ones(2), torch.zeros(2)), {"x": torch.ones(2)}
+    assert to_device(pair, cpu) is pair and to_device(fields, cpu) is fields
+    moved = to_device(pair, meta)
+    assert isinstance(moved, tuple) and [t.device for t in moved] == [meta, meta]
+    assert to_device(fields, meta)["x"].device == meta and pair[0].device == cpu
+    mixed = [torch.ones(1), 3]
+    assert to_device(mixed, cpu) is not mixed and to_device(mixed, cpu) == mixed
+
+
 class TakesX(nn.Module):
     def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         return x * scale

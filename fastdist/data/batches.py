@@ -144,7 +144,10 @@ class TrainBatches:
         against restoring a checkpoint's RNG state).
         """
         batches = itertools.islice(iter(self.loader), self._skip, None)
-        return self._with_fillers(batches, max(map(len, self.sizes), default=0))
+        n = max(map(len, self.sizes), default=0)
+        if self.plans_uneven and len(self.sizes[self.rank]) == n:  # the plan is exact: no filler
+            return batches
+        return self._with_fillers(batches, n)
 
     def _with_fillers(self, batches: Iterator[Any], n: int) -> Iterator[Any]:
         last, count = None, 0

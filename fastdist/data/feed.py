@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -11,19 +11,31 @@ from torch import nn
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Copy every tensor in a (nested) dict, list or tuple batch to ``device``."""
-    if isinstance(batch, torch.Tensor):  # one already there is kept (no dispatch: 2 us)
+    """Copy every tensor in a (nested) dict, list or tuple batch to ``device``; a tensor, or a
+    flat tuple, list or dict of tensors, already there is returned as it is (CPU training:
+    no dispatch, about 2 us per tensor, and no new container)."""
+    if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=True)
     kind = type(batch)
     if kind is tuple or kind is list:  # the common case first: no ABC check
-        return kind([to_device(v, device) for v in batch])
+        return batch if _there(batch, device) else kind([to_device(v, device) for v in batch])
     if isinstance(batch, Mapping):
+        if kind is dict and _there(batch.values(), device):
+            return batch
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
         return kind(*(to_device(v, device) for v in batch))
     if isinstance(batch, (list, tuple)):
         return kind(to_device(v, device) for v in batch)
     return batch
+
+
+def _there(values: Iterable[Any], device: torch.device) -> bool:
+    """Whether every one of ``values`` is a plain tensor on ``device`` already."""
+    for v in values:  # noqa: SIM110 (all() of a generator takes twice as long)
+        if type(v) is not torch.Tensor or v.device != device:
+            return False
+    return True
 
 
 def batch_bytes(batch: Any) -> int:
