@@ -2,18 +2,19 @@
 
 Run on demand from the repository root (CPU, no process group)::
 
-    python benchmarks/micro_batch.py [--rounds 9] [--updates 600]
+    python benchmarks/micro_batch.py [--rounds 9] [--updates 300]
 
 ``overhead.py`` times the same thing at 2 ranks, where a round's difference moves by hundreds
 of microseconds on a shared 2-core VM. Here both loops train a ``Linear(8, 2)`` on batches of 4
 that are made before the run: the DataLoader only hands them on (a dataset of whole batches,
 ``batch_size_per_gpu=1``, a collate that unwraps the one item), so the data path costs both
 loops the same few microseconds and the model almost nothing. What is left is each loop's own
-work. Each round trains ``--updates`` updates of 1 and of 4 micro-batches by hand and with
+work. Each round trains ``--updates`` updates of 1 and of 16 micro-batches by hand and with
 ``DistTrainer`` (defaults, ``print_every=10``), alternately, and times the training thread's
 CPU (``time.thread_time``) from the first update to the end. The minimum over the rounds
 estimates each loop's undisturbed time (noise only ever adds); fastdist's own cost is the
-difference of the minima, split into a part per micro-batch ((4 - 1) / 3) and one per update.
+difference of the minima, split into a part per micro-batch ((16 - 1) / 15) and one per
+update. (With windows of 4 the split moved by 20 us between runs; with 16, by 3.)
 
 Then the update path alone, steadier still: the strategy's ``forward_backward`` of a trainer
 (reached through its private parts: this line follows the code, not the API) over windows of 4
@@ -44,6 +45,7 @@ from benchmarks.common import alternating  # noqa: E402
 from fastdist import Callback, DistTrainer  # noqa: E402
 
 BATCH = 4
+WINDOW = 16  # micro-batches per update of the split's long runs
 
 
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -138,12 +140,12 @@ def update_path(data: list[Any]) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--updates", type=int, default=600)
+    parser.add_argument("--updates", type=int, default=300)
     args = parser.parse_args()
     torch.set_num_threads(1)
     loops: dict[str, Callable[[list[Any], int], float]] = {"hand": hand, "fastdist": fastdist_loop}
     us: dict[tuple[str, int], list[float]] = {}
-    for k in (1, 4):
+    for k in (1, WINDOW):
         data = batches(args.updates * k)
         rounds = alternating(
             {n: functools.partial(f, data, k) for n, f in loops.items()}, args.rounds
@@ -153,9 +155,9 @@ def main() -> None:
     print("micro-batches  loop       min     median")
     for (name, k), values in us.items():
         print(f"{k:13d}  {name:8} {min(values):7.1f} {statistics.median(values):8.1f}")
-    extra = {k: min(us["fastdist", k]) - min(us["hand", k]) for k in (1, 4)}
-    each = (extra[4] - extra[1]) / 3
-    print(f"fastdist's own: {extra[1]:.1f} us per update of 1, {extra[4]:.1f} of 4")
+    extra = {k: min(us["fastdist", k]) - min(us["hand", k]) for k in (1, WINDOW)}
+    each = (extra[WINDOW] - extra[1]) / (WINDOW - 1)
+    print(f"fastdist's own: {extra[1]:.1f} us per update of 1, {extra[WINDOW]:.1f} of {WINDOW}")
     print(f"  per micro-batch {each:.1f} us, per update {extra[1] - each:.1f}")
     data = batches(args.updates * 4)
     paths = [update_path(data) for _ in range(args.rounds)]
