@@ -128,7 +128,7 @@ def update_path(data: list[Any]) -> tuple[float, float]:
     by_hand = time.thread_time() - start
     loop.data.begin(1, 0, 0)
     drawn = iter(data)
-    update = Update(loop.run, drawn)
+    update = Update(loop.run, drawn, loop.training_modes)
     start = time.thread_time()
     for first in drawn:
         loop.strategy.forward_backward(update.open(first))

@@ -24,6 +24,7 @@ LAYERS = [
         "fastdist.losses",
         "fastdist.metrics",
         "fastdist.metrics_torchmetrics",
+        "fastdist.modes",
         "fastdist.seed",
         "fastdist.state",
     ],

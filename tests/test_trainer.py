@@ -82,7 +82,17 @@ def test_worlds(world: World) -> None:
 
 @pytest.mark.parametrize(
     "run",
-    ["sgd-128", "sgd-56", "adamw-128", "adamw-56", "sgd-323", "sgd-289", "sgd-203", "adamw-331"],
+    [
+        "sgd-128",
+        "sgd-56",
+        "adamw-128",
+        "adamw-56",
+        "sgd-323",
+        "sgd-289",
+        "sgd-203",
+        "adamw-331",
+        "frozen-289",
+    ],
 )
 def test_two_ranks_equal_one_process(run: str, launch: Callable[[str], World]) -> None:
     """2 ranks x 8 x update_every 2 == 1 rank x 8 x update_every 4, after several updates.
@@ -106,6 +116,19 @@ def test_two_ranks_equal_one_process(run: str, launch: Callable[[str], World]) -
         assert torch.allclose(final, reference, rtol=0, atol=1e-9), (
             f"rank {rank}: max difference {(final - reference).abs().max().item():.3g}"
         )
+
+
+def test_a_frozen_batch_norm_stays_frozen(world: World) -> None:
+    """A submodule frozen in eval mode stays frozen through rank 1's fillers, the evaluations and
+    a callback's ``model.eval()``; every micro-batch is announced in the training modes; after
+    ``train()`` each module is in the mode it came in. (An audit: ``model.train()`` after a
+    filler or an evaluation unfroze it, on rank 1 alone after a filler: 2 ranks trained
+    another model than 1 process, ``frozen-289`` above.)"""
+    for rank, data in enumerate(world.ranks):
+        run = data["equivalence"]["frozen-289"]
+        assert run["tracked"] == 0, f"rank {rank}: the frozen norm's statistics moved"
+        assert run["modes_seen"] == [[True, False]], f"rank {rank}"
+        assert run["modes_after"] == [True, False], f"rank {rank}"
 
 
 def test_one_gradient_all_reduce_per_update(launch: Callable[[str], World]) -> None:

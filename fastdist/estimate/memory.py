@@ -20,6 +20,7 @@ from fastdist.data.feed import make_forward, to_device
 from fastdist.estimate.activations import Activations, measure
 from fastdist.estimate.optimizer import state_shapes
 from fastdist.losses import as_loss_fn
+from fastdist.modes import kept_modes
 from fastdist.strategies import MemoryShare, Strategy, Topology, resolve_strategy
 from fastdist.strategies.blocks import checkpoint_period
 
@@ -360,13 +361,9 @@ def _activations(
             output = forward(model, batch)
             return output if loss_fn is None else (output, loss_fn(output, batch))
 
-    was_training = model.training
-    model.train()
-    try:
-        with torch.enable_grad():
-            return measure(model, run, strategy.blocks(model), styles, tp, _batch_size(batch))
-    finally:
-        model.train(was_training)
+    with kept_modes(model), torch.enable_grad():
+        model.train()
+        return measure(model, run, strategy.blocks(model), styles, tp, _batch_size(batch))
 
 
 def _batch_size(batch: Any) -> int:

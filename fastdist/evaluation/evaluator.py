@@ -15,6 +15,7 @@ from tqdm import tqdm
 from fastdist.data.feed import to_device
 from fastdist.distributed import all_reduce_sum, get_rank
 from fastdist.metrics import Metric
+from fastdist.modes import evaluating
 from fastdist.strategies import Strategy, Topology
 
 
@@ -104,11 +105,9 @@ class Evaluator:
             collate_fn=self.collate_fn,
             multiprocessing_context=self.multiprocessing_context,
         )
-        was_training = self.model.training
-        self.model.eval()
         for metric in self.metrics:
             metric.reset()
-        try:
+        with evaluating(self.model):
             # A short bar of its own on rank 0, on a terminal only.
             show = get_rank() == 0 and sys.stderr.isatty()
             batches = padded_batches(loader, self.equal_forwards, shard.size)
@@ -117,8 +116,6 @@ class Evaluator:
                 output = self.forward(self.model, batch)
                 for metric in self.metrics if real and shard.primary else ():
                     metric.update(output, batch)
-        finally:
-            self.model.train(was_training)
         states = [metric.state() for metric in self.metrics]
         total = all_reduce_sum(torch.cat(states).to(self.device), self.group).cpu()
         result: dict[str, float] = {}

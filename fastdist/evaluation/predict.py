@@ -27,6 +27,7 @@ from fastdist.distributed import all_gather_object, get_rank
 from fastdist.distributed.position import enter_on_every_rank
 from fastdist.evaluation.evaluator import ShardSampler, padded_batches
 from fastdist.evaluation.spill import Writer, cleanup, merge, open_work_dir, spill_path
+from fastdist.modes import evaluating
 from fastdist.strategies import Strategy, Topology, eval_view
 
 #: ``to_output(output, batch)``: the per-sample outputs of one batch, in batch order.
@@ -252,35 +253,30 @@ def _predict_shard(
     sampler, batch_size = loader.sampler, loader.batch_size or 1
     assert isinstance(sampler, ShardSampler)
     forward = make_forward(model, evaluation=True)  # the model's predict() if it has one
-    was_training = model.training
-    model.eval()
     position = 0
-    try:
-        with _spill_file(spill, as_json) as f, torch.no_grad():
-            for batch, real in padded_batches(loader, equal_forwards, shards):
-                batch = to_device(batch, device)
-                output = forward(model, batch)
-                if not real or f is None:
-                    continue
-                indices = sampler.indices[position : position + batch_size]
-                items = (
-                    split_output(output, len(indices))
-                    if to_output is None
-                    else to_output(output, batch)
+    with evaluating(model), _spill_file(spill, as_json) as f, torch.no_grad():
+        for batch, real in padded_batches(loader, equal_forwards, shards):
+            batch = to_device(batch, device)
+            output = forward(model, batch)
+            if not real or f is None:
+                continue
+            indices = sampler.indices[position : position + batch_size]
+            items = (
+                split_output(output, len(indices))
+                if to_output is None
+                else to_output(output, batch)
+            )
+            if len(items) != len(indices):
+                raise ValueError(
+                    f"to_output returned {len(items)} outputs for a batch of "
+                    f"{len(indices)} samples: it must return one per sample"
                 )
-                if len(items) != len(indices):
-                    raise ValueError(
-                        f"to_output returned {len(items)} outputs for a batch of "
-                        f"{len(indices)} samples: it must return one per sample"
-                    )
-                for index, item in zip(indices, items, strict=True):
-                    if as_json:
-                        f.write(json.dumps(item) + "\n")
-                    else:
-                        pickle.dump((index, item), f, protocol=pickle.HIGHEST_PROTOCOL)
-                position += len(indices)
-    finally:
-        model.train(was_training)
+            for index, item in zip(indices, items, strict=True):
+                if as_json:
+                    f.write(json.dumps(item) + "\n")
+                else:
+                    pickle.dump((index, item), f, protocol=pickle.HIGHEST_PROTOCOL)
+            position += len(indices)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdist.strategies.stages import StageModule, StagePlan, evaluating_restored
+from fastdist.modes import evaluating
+from fastdist.strategies.stages import StageModule, StagePlan
 
 
 def _stages(model: nn.Module, plan: StagePlan, batch: Any, run: Callable) -> list[StageModule]:
@@ -37,13 +38,13 @@ def check_cut(
     ``ValueError`` if the stages' output differs from the model's (the model cannot be cut).
     The last entry is the model's output."""
     *stages, whole = _stages(model, plan, batch, run)
-    with torch.no_grad(), torch.random.fork_rng(_devices(model)), evaluating_restored(model):
+    with torch.no_grad(), torch.random.fork_rng(_devices(model)), evaluating(model):
         expected = whole()  # the model's own error raises as itself
     foreign: list[list[str]] = [[] for _ in stages]
     hooks = [h for i, stage in enumerate(stages) for h in _watch(stage, i, plan, foreign[i])]
     hidden: list[Any] = []
     try:
-        with torch.no_grad(), torch.random.fork_rng(_devices(model)), evaluating_restored(model):
+        with torch.no_grad(), torch.random.fork_rng(_devices(model)), evaluating(model):
             for stage in stages:
                 hidden.append(stage(*hidden[-1:]))
     except Exception as exc:
@@ -80,7 +81,7 @@ def check_gradients(
     the gradients of one stage's parameters at a time, twice (the model's and the stage's)."""
     *stages, whole = _stages(model, plan, batch, run)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    with torch.enable_grad(), torch.random.fork_rng(_devices(model)), evaluating_restored(model):
+    with torch.enable_grad(), torch.random.fork_rng(_devices(model)), evaluating(model):
         expected = _weighted(whole())
         inputs: list[tuple[torch.Tensor, ...]] = []
         outputs: list[Any] = []

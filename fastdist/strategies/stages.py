@@ -24,9 +24,8 @@ the next stage's first block and returns that block's input.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from fastdist.modes import modes, set_modes
 from fastdist.strategies.base import Update
 
 
@@ -345,31 +345,6 @@ class UpdateModes:
     def restore(self) -> None:
         """The modes the update's last forward leaves in one process."""
         set_modes(self.modules, self.after)
-
-
-def modes(modules: list[nn.Module]) -> list[bool]:
-    """Whether each of ``modules`` is in training mode."""
-    return [module.training for module in modules]
-
-
-def set_modes(modules: list[nn.Module], training: list[bool]) -> None:
-    """Put each of ``modules`` in the mode ``training`` gives it (a module's own flag only,
-    as :func:`modes` read them)."""
-    for module, mode in zip(modules, training, strict=True):
-        if module.training is not mode:  # nn.Module's __setattr__ is slow: only if changed
-            module.training = mode
-
-
-@contextlib.contextmanager
-def evaluating_restored(model: nn.Module) -> Iterator[None]:
-    """``model`` in eval mode inside; every module in its own mode again after."""
-    modules = list(model.modules())
-    kept = modes(modules)
-    model.eval()
-    try:
-        yield
-    finally:
-        set_modes(modules, kept)
 
 
 def batch_shapes(batch: Any) -> tuple[Any, ...]:

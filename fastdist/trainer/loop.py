@@ -16,13 +16,14 @@ from fastdist.checkpoint import Resumed
 from fastdist.checkpoint.lock import hold_dirs
 from fastdist.distributed import broadcast_object
 from fastdist.logging import logger
+from fastdist.modes import kept_modes
 from fastdist.trainer.build import Run
 from fastdist.trainer.failure import report_failure
 from fastdist.trainer.preemption import report_preempted, requeue
 from fastdist.trainer.progress import Progress
 from fastdist.trainer.safety import all_finite, check_in_sync, warn_skipped
 from fastdist.trainer.sync import Agreement
-from fastdist.trainer.update import Update
+from fastdist.trainer.update import TrainingModes, Update
 
 #: The agreement before any sync point: nothing agreed, nothing to stop.
 NOTHING = Agreement(stop_requested=False, preempted=False, loss=None, rank_times=None)
@@ -38,6 +39,7 @@ class Loop:
         self.precision, self.losses, self.timer = run.precision, run.losses, run.timer
         self.options = run.options
         self.progress = Progress(show=False, use_tqdm=False, total=0, initial=0, global_batch=0)
+        self.training_modes = TrainingModes(run.model)
         self.stop_logged = False  # the stop is logged once per run
         run.callbacks.set_trainer(trainer)
 
@@ -120,7 +122,7 @@ class Loop:
         if mid_epoch:
             self.run.rng.apply()
         batches = self.timer.batches(batches, self.world.device)
-        update = Update(self.run, batches)
+        update = Update(self.run, batches, self.training_modes)
         for first in batches:  # drawn after the previous update's on_batch_end
             yield update.open(first)
 
@@ -249,13 +251,12 @@ class Loop:
         holds the locks of ``save_path`` and ``checkpoint_dir`` meanwhile
         (:mod:`fastdist.checkpoint.lock`)."""
         dirs = {"save_path": self.options.save_path, "checkpoint_dir": self.options.checkpoint_dir}
-        with hold_dirs(dirs, self.world.group):
+        with hold_dirs(dirs, self.world.group), kept_modes(self.model):  # each module's after
             return self._fit(resume)
 
     def _fit(self, resume: bool | str | os.PathLike) -> dict[str, Any]:
         start, state, options = time.time(), self.state, self.options
-        arrived_training = self.model.training
-        if not arrived_training:
+        if not self.model.training:
             logger.info(
                 "the model came in eval mode (as from_pretrained returns it): it trains in "
                 "train mode (dropout on) and is put back in eval mode after training"
@@ -274,7 +275,6 @@ class Loop:
             raise
         finally:
             self.progress.close()
-            self.model.train(arrived_training)
         result = {
             "best_eval": state.best_eval,
             "best_epoch": state.best_epoch,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastdist.modes import evaluating, modes, set_modes
 from fastdist.trainer.build import Run
 
 
@@ -30,13 +31,15 @@ class Update:
     ``state.batch_idx``, ``is_update`` and ``is_filler`` say which micro-batch a hook is about.
     """
 
-    def __init__(self, run: Run, batches: Iterator[Any]) -> None:
+    def __init__(self, run: Run, batches: Iterator[Any], modes: TrainingModes) -> None:
         self.state, self.callbacks, self.data = run.state, run.callbacks, run.data
         self.model, self.precision, self.losses = run.model, run.precision, run.losses
         self.timer, self.world, self.strategy = run.timer, run.world, run.strategy
         self.feed, self.loss_fn = run.forward, run.loss_fn
         self.fp32 = run.precision.amp is None
         self.batches = batches
+        self.modes = modes
+        modes.begin_pass()
         self.last = False
         self._first: Any = None
         self._drawn = self._lost = self._ended = 0  # the pass's micro-batches so far
@@ -62,8 +65,8 @@ class Update:
         self._at(self._drawn)
         self._drawn += 1
         self.last = self.state.is_update
-        if not self.state.is_filler and not self.model.training:  # e.g. from_pretrained's
-            self.model.train()
+        if not self.model.training:  # a callback's model.eval(): the pass's modes again
+            self.modes.restore()
         self.callbacks.on_batch_begin(batch)
         return batch
 
@@ -133,13 +136,14 @@ class Update:
 
     def mode(self, module: nn.Module | None = None) -> contextlib.AbstractContextManager:
         """The mode of the micro-batch drawn last, on ``module`` (a wrapper of the model, or
-        the model: the default) inside: train mode for one that trains, whatever mode a
-        callback left the model in; eval mode for a filler (no batch-norm statistics, no
-        dropout), then train mode."""
+        the model: the default) inside: for one that trains, the pass's training modes where a
+        callback put the model in eval mode (submodules a callback switched alone keep their
+        mode); for a filler eval mode (no batch-norm statistics, no dropout), then every
+        module's mode again."""
         if self.state.is_filler:
             return evaluating(self.model if module is None else module)
-        if not self.model.training:  # the root's flag: train() walks every module
-            self.model.train()
+        if not self.model.training:  # the root's flag: a walk of every module only then
+            self.modes.restore()
         return contextlib.nullcontext()
 
     def _as_is(self) -> bool:
@@ -157,11 +161,27 @@ class Update:
         return both
 
 
-@contextlib.contextmanager
-def evaluating(model: nn.Module) -> Iterator[None]:
-    """``model`` in eval mode inside, in train mode after."""
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train()
+class TrainingModes:
+    """The modes of the model's modules that its micro-batches train in, read as each pass
+    starts, so that a submodule frozen in eval mode stays so. A model in eval mode then (it
+    came in eval mode, as ``from_pretrained`` returns it, or a callback left it so) takes the
+    modes of the pass before, or at the first train mode throughout."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.modules = model, list(model.modules())
+        self.modes: list[bool] | None = None
+
+    def begin_pass(self) -> None:
+        """Read the modes a pass trains in (see above)."""
+        if self.model.training:
+            self.modes = modes(self.modules)
+        elif self.modes is None:
+            self.model.train()
+            self.modes = modes(self.modules)
+        else:
+            self.restore()
+
+    def restore(self) -> None:
+        """The pass's modes again (after a callback's ``model.eval()``)."""
+        assert self.modes is not None, "begin_pass() first"
+        set_modes(self.modules, self.modes)

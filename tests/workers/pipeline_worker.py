@@ -173,8 +173,8 @@ class Moded(Tagger):
 class ChangeModes(Callback):
     """What a callback changes on the model after the build: block 3 frozen, an attribute of
     block 2, a forward hook on block 1 (its stage's first under a pipeline); and before each
-    micro-batch, the modes of blocks 0 and 2. The evaluation after each epoch puts the whole
-    model back in training mode (block 1 included)."""
+    micro-batch, the modes of blocks 0 and 2. The evaluation after each epoch puts each module
+    back in its own mode (blocks 1 and 3 stay frozen)."""
 
     def on_train_begin(self) -> None:
         model, self.drawn = self.trainer.model, 0

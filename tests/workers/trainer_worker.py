@@ -87,6 +87,18 @@ class ToyNet(nn.Module):
         return self.out(torch.tanh(self.hidden(x)))
 
 
+class NormNet(ToyNet):
+    """``ToyNet`` with a batch norm after its hidden layer (the frozen run keeps it in eval
+    mode: its running statistics fixed, its scale and shift trained)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.norm = nn.BatchNorm1d(HIDDEN, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.norm(self.hidden(x))))
+
+
 def flat_params(model: nn.Module) -> list[float]:
     """All parameters of ``model`` as one flat list."""
     return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
@@ -177,7 +189,44 @@ def case_equivalence(out: Path) -> dict[str, Any]:
             "final": flat_params(model),
             "steps": result["steps"],
         }
+    results["frozen-289"] = frozen_norm_run()
     return results
+
+
+def frozen_norm_run() -> dict[str, Any]:
+    """289 samples (rank 1 of 2 runs a filler each epoch), a batch norm frozen in eval mode
+    before ``train()``, an evaluation every 2 updates, and a callback that puts the whole model
+    in eval mode in ``on_loss_begin``: the batch norm stays frozen throughout, each micro-batch
+    is announced in the training modes, and the model ends in the modes it came in."""
+    model = NormNet(seed=1)
+    model.norm.eval()
+    init, seen = flat_params(model), []
+    trainer = make_trainer(
+        289,
+        model,
+        lr=0.5,
+        update_every=4 // get_world_size(),
+        n_epochs=2,
+        dev_data=ToyData(20, seed=1),
+        metrics=AccuracyMetric(),
+        validate_every=2,
+        callbacks_all=[
+            on(
+                "on_batch_begin",
+                lambda t, batch: seen.append([model.training, model.norm.training]),
+            ),
+            on("on_loss_begin", lambda t, batch, output: t.model.eval()),
+        ],
+    )
+    result = trainer.train()
+    return {
+        "init": init,
+        "final": flat_params(model),
+        "steps": result["steps"],
+        "tracked": int(model.norm.num_batches_tracked),
+        "modes_seen": sorted({tuple(m) for m in seen}),
+        "modes_after": [model.training, model.norm.training],
+    }
 
 
 class CommCounter(Callback):
