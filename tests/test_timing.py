@@ -203,7 +203,7 @@ def test_a_stop_or_a_nan_during_the_log_steps_read_reaches_every_rank(world: Wor
     began (which says "no stop"): it is sent with the next sync (a signal check, timed, or
     log step 6's, read at 7), and every rank stops at the same update. A NaN loss on the last
     rank at update 5 is read at update 7, before that update's evaluation: every rank raises,
-    and no best model is written."""
+    and no best model is written; one at update 11, after the last log step, at the end."""
     last = world.size - 1
     stopped = world.ranks[0]["log_step"]["stopped"]
     assert 3 < stopped <= 7
@@ -215,6 +215,11 @@ def test_a_stop_or_a_nan_during_the_log_steps_read_reaches_every_rank(world: Wor
             f"non-finite loss by update 6, first at update 5 on rank {last}; "
         ), data["nan_error"]
         assert not [name for name in data["nan_files"] if name.startswith("best_")], data
+        # After the last log step: read at the end with the parameters it made NaN, and named
+        # (the parameters were, naming the last update: an audit).
+        assert data["late_nan_error"].startswith(
+            f"non-finite loss by update 12, first at update 11 on rank {last}; "
+        ), data["late_nan_error"]
 
 
 # ----- in-process: the timer, the report's logic, the arguments -----

@@ -136,8 +136,9 @@ class Sync:
         loss_sum, count, stop, preempted, requeue, next_check, bad_models = reduced[:7]
         self.sigterm.checks.agreed(next_check)
         self.board.move(phase="train")
-        if bad_models or (self.raise_nonfinite and not math.isfinite(loss_sum)):
-            self._raise_nonfinite(bad_model, step, taken)
+        bad_loss = self.raise_nonfinite and not math.isfinite(loss_sum)
+        if bad_models or bad_loss:
+            self._raise_nonfinite(bad_loss, bad_model, step, taken)
         if taken:  # every group reads a log step at the same update
             pair = torch.tensor([loss_sum, count], dtype=torch.float64, device=self.device)
             loss_sum, count = self.across(pair).tolist()
@@ -198,10 +199,11 @@ class Sync:
         flags = [float(stop_requested), float(sigterm.received), float(sigterm.requeue)]
         return flags + [sigterm.checks.proposal(step, self.board.rank)]
 
-    def _raise_nonfinite(self, bad_model: bool, step: int, taken: bool) -> NoReturn:
-        """Raise on every rank (all are here, agreed), naming who saw what where."""
-        models = failing_ranks(True if bad_model else None, self.group)
-        if models:
+    def _raise_nonfinite(self, bad_loss: bool, bad_model: bool, step: int, taken: bool) -> NoReturn:
+        """Raise on every rank (all are here, agreed), naming who saw what where: a
+        non-finite loss first, the cause of the parameters it made NaN, with its first update."""
+        if not bad_loss:
+            models = failing_ranks(True if bad_model else None, self.group)
             raise FloatingPointError(
                 f"the model's parameters are NaN/Inf on ranks {list(models)} at update {step}: "
                 "a non-finite gradient was applied (lower the learning rate, clip gradients, "

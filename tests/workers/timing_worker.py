@@ -154,18 +154,27 @@ def case_log_step(out: Path) -> dict[str, Any]:
         validate_every=7,
         save_path=str(out / f"nan{get_rank()}"),
     )
-    try:
-        nan.train()
-        error = ""
-    except FloatingPointError as exc:
-        error = str(exc)
+    nan_error = _raised(nan)
+    # A NaN after the last log step (10) is read at the end of training (update 12), where
+    # the parameters it made NaN are checked too: the loss is named, with its update.
+    late_nan = make_trainer(n, NaNNet(at=LOG_UPDATES - 1), print_every=10)
     return {
         "losses": all_gather_object(seen.losses),
         "seen": seen.seen,
         "stopped": stopped,
-        "nan_error": error,
+        "nan_error": nan_error,
+        "late_nan_error": _raised(late_nan),
         "nan_files": sorted(p.name for p in (out / f"nan{get_rank()}").iterdir()),
     }
+
+
+def _raised(trainer: DistTrainer) -> str:
+    """The ``FloatingPointError`` ``trainer.train()`` raised (``""``: none)."""
+    try:
+        trainer.train()
+    except FloatingPointError as exc:
+        return str(exc)
+    return ""
 
 
 class OpCounter(TorchDispatchMode):
