@@ -261,6 +261,7 @@ class Loop:
                 "the model came in eval mode (as from_pretrained returns it): it trains in "
                 "train mode (dropout on) and is put back in eval mode after training"
             )
+        self.training_modes.start()
         self._begin(self.run.checkpointer.restore(resume))
         self.stop_logged = False
         try:

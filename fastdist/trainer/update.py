@@ -99,6 +99,7 @@ class Update:
         if index != self.state.batch_idx:  # a schedule's: every micro-batch is drawn
             self._at(index)
         share, samples = self.data.weights[index], self.data.samples[index]
+        self.callbacks.on_loss_begin(batch, output)  # not in a filler's eval mode: its changes hold
         if self._as_is():
             loss = self._recorded(output, batch, share, samples)
         else:
@@ -109,9 +110,8 @@ class Update:
         return self.precision.scale(loss if weight == 1.0 else loss * weight)
 
     def _recorded(self, output: Any, batch: Any, share: float, samples: int) -> torch.Tensor:
-        """``on_loss_begin``, then the micro-batch's loss, recorded with its ``share`` of the
-        update and its ``samples``."""
-        self.callbacks.on_loss_begin(batch, output)
+        """The micro-batch's loss, recorded with its ``share`` of the update and its
+        ``samples``."""
         return self.losses.add(self.loss_fn(output, batch), share, samples)
 
     def end(self) -> None:
@@ -162,26 +162,27 @@ class Update:
 
 
 class TrainingModes:
-    """The modes of the model's modules that its micro-batches train in, read as each pass
-    starts, so that a submodule frozen in eval mode stays so. A model in eval mode then (it
-    came in eval mode, as ``from_pretrained`` returns it, or a callback left it so) takes the
-    modes of the pass before, or at the first train mode throughout."""
+    """The modes of the model's modules that its micro-batches train in, so that a submodule
+    frozen in eval mode stays so: those the model came to ``train()`` in (train mode
+    throughout for a model in eval mode, as ``from_pretrained`` returns one), read again as
+    each pass starts unless a callback left the whole model in eval mode."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model, self.modules = model, list(model.modules())
-        self.modes: list[bool] | None = None
+        self.modes: list[bool] = []
+
+    def start(self) -> None:
+        """At ``train()``'s start, before any hook: the modes the model came in."""
+        training = self.model.training
+        self.modes = modes(self.modules) if training else [True] * len(self.modules)
 
     def begin_pass(self) -> None:
-        """Read the modes a pass trains in (see above)."""
+        """Read the modes a pass trains in, or put them back (see above)."""
         if self.model.training:
-            self.modes = modes(self.modules)
-        elif self.modes is None:
-            self.model.train()
             self.modes = modes(self.modules)
         else:
             self.restore()
 
     def restore(self) -> None:
-        """The pass's modes again (after a callback's ``model.eval()``)."""
-        assert self.modes is not None, "begin_pass() first"
+        """The modes micro-batches train in again (after a callback's ``model.eval()``)."""
         set_modes(self.modules, self.modes)
