@@ -11,10 +11,11 @@ manifest; the target is about one serialisation's time, i.e. no extra copy of th
 ``--stall`` trains that model (bias-free linear layers of width 4096, MSE) at 2 ranks over
 gloo on the CPU, one torchrun job, checkpointing every ``--every`` updates, once with
 synchronous checkpoints and once with ``checkpoint_async=True`` per round (the order flips
-every round). It reports, per mid-epoch checkpoint, the time from ``on_step_end`` to
-``on_batch_end`` of that update (the check of the weights, then the checkpoint; the same span
-of an update without a checkpoint is reported too), the last one (epoch end, which ``train()``
-waits for) and the whole ``train()``.
+every round). It reports, per mid-epoch checkpoint, the time from that update's
+``on_batch_end`` to the next micro-batch's ``on_batch_begin`` (the check of the weights, the
+checkpoint, then drawing the next batch; the same span of an update without a checkpoint is
+reported too), the last one (epoch end, which ``train()`` waits for) and the whole
+``train()``.
 """
 
 from __future__ import annotations
@@ -56,22 +57,25 @@ def payload(n_params: float) -> dict:
 
 
 class Stalls(Callback):
-    """Seconds from ``on_step_end`` to ``on_batch_end`` (where the loop checkpoints), per
-    update with a checkpoint due and per update without; when the epoch ended."""
+    """Seconds from an update's ``on_batch_end`` (after which the loop checkpoints) to the next
+    micro-batch's ``on_batch_begin``, per update with a checkpoint due and per update without
+    (the epoch's last has no next); when the epoch ended."""
 
     def __init__(self, every: int) -> None:
-        self.every, self.start = every, 0.0
+        self.every, self.start, self.due = every, 0.0, False
         self.checkpoint: list[float] = []
         self.other: list[float] = []
         self.epoch_end = 0.0
 
-    def on_step_end(self) -> None:
-        self.start = time.perf_counter()
-
     def on_batch_end(self) -> None:
         if self.trainer.state.is_update:
-            due = self.trainer.state.global_step % self.every == 0
-            (self.checkpoint if due else self.other).append(time.perf_counter() - self.start)
+            self.start = time.perf_counter()
+            self.due = self.trainer.state.global_step % self.every == 0
+
+    def on_batch_begin(self, batch: object) -> None:
+        if self.start:
+            (self.checkpoint if self.due else self.other).append(time.perf_counter() - self.start)
+            self.start = 0.0
 
     def on_epoch_end(self) -> None:
         self.epoch_end = time.perf_counter()
@@ -106,7 +110,7 @@ def train_once(options: dict, asynchronous: bool, directory: str) -> dict:
     start = time.perf_counter()
     trainer.train(resume=False)
     end = time.perf_counter()
-    mid = stalls.checkpoint[:-1]  # the last update's is the epoch end's: measured below
+    mid = stalls.checkpoint  # the epoch end's is measured apart: from on_epoch_end to the end
     return {"mid": mid, "other": stalls.other, "end": end - stalls.epoch_end, "train": end - start}
 
 

@@ -120,15 +120,23 @@ def test_two_ranks_equal_one_process(run: str, launch: Callable[[str], World]) -
 
 def test_a_frozen_batch_norm_stays_frozen(world: World) -> None:
     """A submodule frozen in eval mode stays frozen through rank 1's fillers, the evaluations and
-    a callback's ``model.eval()``; every micro-batch is announced in the training modes; after
-    ``train()`` each module is in the mode it came in. (An audit: ``model.train()`` after a
-    filler or an evaluation unfroze it, on rank 1 alone after a filler: 2 ranks trained
-    another model than 1 process, ``frozen-289`` above.)"""
+    a callback's ``model.eval()`` (in ``on_train_begin`` too); one a callback freezes in a
+    filler's ``on_loss_begin`` stays frozen on that rank too; every micro-batch is announced in
+    the training modes; after ``train()`` each module is in the mode it came in. (Two audits:
+    ``model.train()`` after a filler or an evaluation unfroze a submodule, on rank 1 alone after
+    a filler, so 2 ranks trained another model than 1 process, ``frozen-289`` above; a whole
+    ``model.eval()`` in ``on_train_begin`` unfroze it for the run; a freeze in a filler's
+    ``on_loss_begin`` was lost on that rank.) Mid-epoch evaluations follow ``on_batch_end``, as
+    the documented hook order says, so a checkpoint there never holds a half-run update."""
     for rank, data in enumerate(world.ranks):
         run = data["equivalence"]["frozen-289"]
         assert run["tracked"] == 0, f"rank {rank}: the frozen norm's statistics moved"
-        assert run["modes_seen"] == [[True, False]], f"rank {rank}"
-        assert run["modes_after"] == [True, False], f"rank {rank}"
+        # (root, norm, hidden) as each micro-batch is announced, per epoch
+        assert run["modes_seen"] == {"1": [[True, False, True]], "2": [[True, False, False]]}, (
+            f"rank {rank}: {run['modes_seen']}"
+        )
+        assert run["modes_after"] == [True, False, True], f"rank {rank}"
+        assert run["before_valid"] == ["on_batch_end"], f"rank {rank}"
 
 
 def test_one_gradient_all_reduce_per_update(launch: Callable[[str], World]) -> None:

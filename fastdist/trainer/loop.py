@@ -59,6 +59,7 @@ class Loop:
                 self.strategy.forward_backward(update)
                 applied = self._optimizer_step()
                 agreed = self.settle() or agreed  # the last log step's, read after compute
+                validate = save = False
                 if applied:
                     validate = run.validator.due_after_update(state.global_step)
                     ends_epoch = self.data.ends_pass(state.batch_idx + 1)  # saved below
@@ -72,11 +73,11 @@ class Loop:
                     elif run.sync.check_due(state.global_step):  # log steps far apart
                         agreed = self.sync(signals_only=True)
                     callbacks.on_step_end()
-                    if validate:
-                        agreed = self._validate()
-                    if save:
-                        agreed = self._save_checkpoint() or agreed
-                callbacks.on_batch_end()
+                callbacks.on_batch_end()  # before a checkpoint: its hooks all ran, none replays
+                if validate:
+                    agreed = self._validate()
+                if save:
+                    agreed = self._save_checkpoint() or agreed
                 if agreed.stop:
                     break
             agreed = self.settle() or agreed  # e.g. a stream's last update's log step

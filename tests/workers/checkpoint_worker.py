@@ -38,14 +38,15 @@ from fastdist import AccuracyMetric, Callback, get_rank
 
 
 class FillDisk(Callback):
-    """After update ``step`` (its checkpoint written), fill the filesystem of ``filler`` with
-    it, but for ``spare`` bytes (default: half the size of that checkpoint, so that the next
-    checkpoint fails part-written)."""
+    """After update ``step`` (its checkpoint written, after its ``on_batch_end``: at the next
+    ``on_batch_begin``), fill the filesystem of ``filler`` with it, but for ``spare`` bytes
+    (default: half the size of that checkpoint, so that the next checkpoint fails
+    part-written)."""
 
     def __init__(self, step: int, filler: str, checkpoints: Path, spare: int | None = None) -> None:
         self.step, self.filler, self.checkpoints, self.spare = step, filler, checkpoints, spare
 
-    def on_batch_end(self) -> None:
+    def on_batch_begin(self, batch: Any) -> None:
         if self.trainer.state.global_step != self.step or os.path.exists(self.filler):
             return
         fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_EXCL)

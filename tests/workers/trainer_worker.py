@@ -195,12 +195,27 @@ def case_equivalence(out: Path) -> dict[str, Any]:
 
 def frozen_norm_run() -> dict[str, Any]:
     """289 samples (rank 1 of 2 runs a filler each epoch), a batch norm frozen in eval mode
-    before ``train()``, an evaluation every 2 updates, and a callback that puts the whole model
-    in eval mode in ``on_loss_begin``: the batch norm stays frozen throughout, each micro-batch
-    is announced in the training modes, and the model ends in the modes it came in."""
+    before ``train()``, an evaluation every 2 updates; callbacks put the whole model in eval
+    mode in ``on_train_begin`` and in ``on_loss_begin``, and freeze the hidden layer in the
+    ``on_loss_begin`` of epoch 1's last micro-batch (rank 1's filler). The batch norm stays
+    frozen throughout and the hidden layer from epoch 2 on, on every rank; each micro-batch is
+    announced in those modes; the model ends in the modes it came in. The hooks each update
+    around an evaluation: ``on_batch_end`` before ``on_valid_begin``."""
     model = NormNet(seed=1)
     model.norm.eval()
-    init, seen = flat_params(model), []
+    init, seen, hooks = flat_params(model), {}, []
+
+    def loss_begin(trainer: DistTrainer, batch: Any, output: Any) -> None:
+        state = trainer.state
+        if state.epoch == 1 and state.global_step == 9 and state.is_update:  # update 10 of 10
+            model.hidden.eval()
+        else:  # (the whole model's eval mode is undone to the modes the epoch started in)
+            trainer.model.eval()
+
+    def batch_begin(trainer: DistTrainer, batch: Any) -> None:
+        modes = (model.training, model.norm.training, model.hidden.training)
+        seen.setdefault(trainer.state.epoch, set()).add(modes)
+
     trainer = make_trainer(
         289,
         model,
@@ -211,11 +226,10 @@ def frozen_norm_run() -> dict[str, Any]:
         metrics=AccuracyMetric(),
         validate_every=2,
         callbacks_all=[
-            on(
-                "on_batch_begin",
-                lambda t, batch: seen.append([model.training, model.norm.training]),
-            ),
-            on("on_loss_begin", lambda t, batch, output: t.model.eval()),
+            on("on_train_begin", lambda t: t.model.eval()),
+            on("on_batch_begin", batch_begin),
+            on("on_loss_begin", loss_begin),
+            Hook(lambda name, t, *args: hooks.append(name)),
         ],
     )
     result = trainer.train()
@@ -224,8 +238,11 @@ def frozen_norm_run() -> dict[str, Any]:
         "final": flat_params(model),
         "steps": result["steps"],
         "tracked": int(model.norm.num_batches_tracked),
-        "modes_seen": sorted({tuple(m) for m in seen}),
-        "modes_after": [model.training, model.norm.training],
+        "modes_seen": {epoch: sorted(modes) for epoch, modes in seen.items()},
+        "modes_after": [model.training, model.norm.training, model.hidden.training],
+        "before_valid": sorted(
+            {hooks[i - 1] for i, h in enumerate(hooks) if h == "on_valid_begin"}
+        ),
     }
 
 
