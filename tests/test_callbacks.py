@@ -101,6 +101,47 @@ def test_warmup_sets_the_rate_of_every_update() -> None:
     assert warmup.base_lrs == [0.4]
 
 
+class BatchEnds(Callback):
+    """Counts ``on_batch_end`` calls, in its saved state; raises at ``on_batch_begin`` of the
+    micro-batch after update ``crash_after`` (a crash once the checkpoint of it is written)."""
+
+    def __init__(self, crash_after: int = 0) -> None:
+        self.count, self.crash_after = 0, crash_after
+
+    def on_batch_begin(self, batch: Any) -> None:
+        if self.crash_after and self.trainer.state.global_step == self.crash_after:
+            raise RuntimeError("crash")
+
+    def on_batch_end(self) -> None:
+        self.count += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = state["count"]
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_a_checkpoint_follows_its_updates_on_batch_end(tmp_path: Path) -> None:
+    """A resumed callback counts every micro-batch's on_batch_end once: a checkpoint is written
+    after its update's on_batch_end (it was written before it, and that call was lost: 7 of 8
+    here)."""
+
+    def run(name: str, counter: BatchEnds) -> None:
+        make_trainer(
+            64, update_every=2, callbacks_all=[counter], save_path=str(tmp_path / name),
+            checkpoint_every=2,
+        ).train(resume="auto")  # fmt: skip
+
+    straight, crashed, resumed = BatchEnds(), BatchEnds(crash_after=3), BatchEnds()
+    run("straight", straight)
+    with pytest.raises(RuntimeError, match="crash"):
+        run("crashed", crashed)
+    run("crashed", resumed)  # from the checkpoint of update 2
+    assert straight.count == resumed.count == 64 // 8
+
+
 # ----- LRSchedulerCallback, GradientClipCallback, EarlyStopCallback, CallbackList -----
 
 
