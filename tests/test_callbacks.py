@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
-from workers.trainer_worker import make_trainer, on
+from workers.trainer_worker import ToyData, make_trainer, on
 
 from fastdist import AccuracyMetric, Callback, CrossEntropyLoss
 from fastdist.callbacks import (
@@ -102,11 +102,15 @@ def test_warmup_sets_the_rate_of_every_update() -> None:
 
 
 class BatchEnds(Callback):
-    """Counts ``on_batch_end`` calls, in its saved state; raises at ``on_batch_begin`` of the
-    micro-batch after update ``crash_after`` (a crash once the checkpoint of it is written)."""
+    """Counts ``on_batch_end`` calls, in its saved state, and notes ``batches_in_epoch`` at
+    each ``on_epoch_begin``; raises at ``on_batch_begin`` of the micro-batch after update
+    ``crash_after`` (a crash once the checkpoint of it is written)."""
 
     def __init__(self, crash_after: int = 0) -> None:
-        self.count, self.crash_after = 0, crash_after
+        self.count, self.crash_after, self.begins = 0, crash_after, []
+
+    def on_epoch_begin(self) -> None:
+        self.begins.append(self.trainer.state.batches_in_epoch)
 
     def on_batch_begin(self, batch: Any) -> None:
         if self.crash_after and self.trainer.state.global_step == self.crash_after:
@@ -125,13 +129,14 @@ class BatchEnds(Callback):
 @pytest.mark.usefixtures("no_dist_env")
 def test_a_checkpoint_follows_its_updates_on_batch_end(tmp_path: Path) -> None:
     """A resumed callback counts every micro-batch's on_batch_end once: a checkpoint is written
-    after its update's on_batch_end (it was written before it, and that call was lost: 7 of 8
-    here)."""
+    after its update's on_batch_end (it was written before it, and that call was lost: 15 of
+    16 here). ``on_epoch_begin`` of the epoch resumed inside sees ``batches_in_epoch`` > 0, a
+    new epoch's 0."""
 
     def run(name: str, counter: BatchEnds) -> None:
         make_trainer(
-            64, update_every=2, callbacks_all=[counter], save_path=str(tmp_path / name),
-            checkpoint_every=2,
+            64, update_every=2, n_epochs=2, callbacks_all=[counter],
+            save_path=str(tmp_path / name), checkpoint_every=2,
         ).train(resume="auto")  # fmt: skip
 
     straight, crashed, resumed = BatchEnds(), BatchEnds(crash_after=3), BatchEnds()
@@ -139,7 +144,28 @@ def test_a_checkpoint_follows_its_updates_on_batch_end(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="crash"):
         run("crashed", crashed)
     run("crashed", resumed)  # from the checkpoint of update 2
-    assert straight.count == resumed.count == 64 // 8
+    assert straight.count == resumed.count == 2 * 64 // 8
+    assert (straight.begins, crashed.begins, resumed.begins) == ([0, 0], [0], [4, 0])
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_a_stop_at_an_epochs_last_update_keeps_its_checkpoint(tmp_path: Path) -> None:
+    """A stop agreed at the evaluation of an epoch's last update: that update's checkpoint
+    (left to the epoch's end) is written, the epoch complete (an audit: none was, and every
+    rerun trained that update again)."""
+    stop = on(
+        "on_valid_end", lambda t, *args: t.request_stop() if t.state.global_step == 4 else None
+    )
+    trainer = make_trainer(
+        64, update_every=2, n_epochs=2, callbacks_all=[stop], save_path=str(tmp_path),
+        dev_data=ToyData(8), metrics=AccuracyMetric(), validate_every=1, checkpoint_every=1,
+    )  # fmt: skip
+    assert trainer.train(resume=False)["steps"] == 4  # the last of epoch 1's 4 updates
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == [
+        "step-00000003.pt",
+        "step-00000004.pt",
+    ]
+    assert trainer.state.epoch_complete
 
 
 # ----- LRSchedulerCallback, GradientClipCallback, EarlyStopCallback, CallbackList -----

@@ -50,8 +50,7 @@ class Loop:
         callbacks.on_train_begin()
         agreed = NOTHING
         for epoch in self._epochs():
-            state.epoch = epoch
-            self.world.board.publish(epoch=epoch, step=state.global_step, phase="train")
+            self._enter(epoch)
             callbacks.on_epoch_begin()
             for update in self._updates(epoch):  # one optimizer update's micro-batches
                 # Per micro-batch: on_batch_begin, on_loss_begin, on_backward_begin,
@@ -83,9 +82,12 @@ class Loop:
             agreed = self.settle() or agreed  # e.g. a stream's last update's log step
             if state.lost_samples:  # replica groups failed (DDP(fault_tolerant=True))
                 logger.warning("epoch %d: %d samples lost", epoch, state.lost_samples)
-            if not agreed.stop:  # the epoch ran to its end
+            # The epoch ran to its end: a stop agreed at its last update's evaluation too (then
+            # its checkpoint, left to the epoch's end, is written below).
+            last = agreed.stop and not agreed.preempted and self.data.ends_pass(state.batch_idx + 1)
+            if not agreed.stop or last:
                 state.epoch_complete = True
-                if run.validator.due_at_epoch_end:
+                if not agreed.stop and run.validator.due_at_epoch_end:
                     agreed = self._validate()
             if not agreed.preempted:  # a pre-empted epoch has not ended: it resumes later
                 callbacks.on_epoch_end()
@@ -105,14 +107,21 @@ class Loop:
         first = state.epoch + 1 if state.epoch_complete else state.epoch
         return range(max(first, 1), self.options.n_epochs + 1)
 
+    def _enter(self, epoch: int) -> None:
+        """Enter ``epoch``: a new one from its start, one resumed inside from where it was
+        (``on_epoch_begin`` then sees ``batches_in_epoch > 0``)."""
+        state = self.state
+        state.epoch = epoch
+        if state.epoch_complete:
+            state.samples_in_epoch = state.batches_in_epoch = state.lost_samples = 0
+        state.epoch_complete = False
+        self.world.board.publish(epoch=epoch, step=state.global_step, phase="train")
+
     def _updates(self, epoch: int) -> Iterator[Update]:
         """This epoch's optimizer updates, from where training stands in it, each drawing its
         micro-batches as the strategy computes them. The timer times ``next()`` and the copy
         to the device as the data wait."""
         state = self.state
-        if state.epoch_complete:
-            state.samples_in_epoch = state.batches_in_epoch = state.lost_samples = 0
-        state.epoch_complete = False
         self.data.begin(epoch, state.samples_in_epoch, state.batches_in_epoch)
         # iter() draws from the torch RNG. A checkpoint at an epoch end was taken before that
         # draw, one inside an epoch after it: restore the saved state on the matching side.
