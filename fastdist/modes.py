@@ -27,12 +27,12 @@ def set_modes(modules: list[nn.Module], training: list[bool]) -> None:
 
 
 @contextlib.contextmanager
-def kept_modes(model: nn.Module) -> Iterator[list[nn.Module]]:
-    """Every module of ``model`` in its own mode again after the block (which gets them)."""
+def kept_modes(model: nn.Module) -> Iterator[None]:
+    """Every module of ``model`` in its own mode again after the block."""
     modules = list(model.modules())
     kept = modes(modules)
     try:
-        yield modules
+        yield
     finally:
         set_modes(modules, kept)
 
