@@ -27,9 +27,7 @@ START = time.time()  # before any import but time's
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 PREFIX = "STARTUP "
@@ -101,27 +99,10 @@ def worker(loop: str) -> None:
 
 def job(loop: str, nproc: int, env: dict[str, str]) -> dict[str, float]:
     """One fresh job; each phase's seconds (the launch from the parent's call)."""
-    from benchmarks.common import torchrun_command
+    from benchmarks.common import run_job
 
     launched = time.time()
-    cmd = torchrun_command(__file__, nproc)
-    proc = subprocess.Popen(
-        cmd,
-        env={**env, "STARTUP_LOOP": loop},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its workers too are stopped on a timeout
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-    lines = [ln for ln in stdout.splitlines() if ln.startswith(PREFIX)]
-    if proc.returncode != 0 or len(lines) != 1:
-        raise SystemExit(f"{loop} job failed ({proc.returncode}):\n{stderr[-4000:]}")
-    marks = json.loads(lines[0][len(PREFIX) :])
+    marks = run_job(__file__, nproc, {**env, "STARTUP_LOOP": loop}, PREFIX, timeout=120)
     ends = [marks["start"]] + [marks[p] for p in PHASES[1:]]
     phases = {"launch": marks["start"] - launched}
     phases |= {p: ends[i + 1] - ends[i] for i, p in enumerate(PHASES[1:])}
