@@ -30,7 +30,6 @@ from fastdist.checkpoint.files import crc32, fsync_dir
 from fastdist.checkpoint.temps import lock_temp
 from fastdist.distributed import is_distributed
 
-METADATA = ".metadata"  # DCP's index of the shards, written by the coordinating rank 0
 _SHARD_FILE = re.compile(r"__(\d+)_")  # DCP's FileSystemWriter names rank R's files __R_*
 _locks: dict[str, int] = {}  # rank 0's temp folders being written, by path: their locks
 
@@ -71,10 +70,10 @@ def write_shards(
     rank = dist.get_rank(group) if is_distributed() else 0
 
     def finish() -> dict[str, int]:
-        names = {info.relative_path for info in save().storage_data.values()}
-        mine = sorted(name for name in names if _writer(name) == rank)
-        if is_master:
-            mine.append(METADATA)
+        # Once DCP's save returns on any rank, every rank's files and the metadata are written.
+        # The folder names them; the returned metadata's storage_data is None in torch 2.11.
+        save()
+        mine = sorted(name for name in os.listdir(tmp_dir) if _writer(name) == rank)
         return {name: crc32(os.path.join(tmp_dir, name)) for name in mine}
 
     return finish
