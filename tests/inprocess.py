@@ -21,11 +21,16 @@ class Linear(nn.Module):
         return {"pred": self.fc(x)}
 
 
-def make_trainer(callback: Callback, **kwargs: Any) -> DistTrainer:
-    """24 samples, batch 4 (6 updates per epoch), ``callback`` in callbacks_master."""
+def tiny_data() -> TensorDataset:
+    """The 24 samples of 4 features (class: the first one's sign) that ``make_trainer`` uses."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(24, 4, generator=gen)
-    data = TensorDataset(x, (x[:, 0] > 0).long())
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def make_trainer(callback: Callback, **kwargs: Any) -> DistTrainer:
+    """24 samples, batch 4 (6 updates per epoch), ``callback`` in callbacks_master."""
+    data = tiny_data()
     model = Linear()
     options: dict[str, Any] = {
         "train_data": data,

@@ -1,7 +1,8 @@
 """CUDA tests (marked ``gpu``): what users run on GPUs, in one process; skipped without CUDA.
 
-They reuse tests/inprocess.py's tiny trainer with ``device="cuda"``. Not yet run on a GPU:
-written from the code (no GPU in the session that wrote them).
+They reuse tests/inprocess.py's tiny trainer with ``device="cuda"``. Run once on a GPU (one
+H200, torch 2.11.0+cu130, 2026-11-27): five passed; the evaluate/predict test failed on its own
+bug (it read a ``trainer.dev_data`` that does not exist), fixed since and checked on CPU only.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from inprocess import make_trainer
+from inprocess import make_trainer, tiny_data
 
 from fastdist.callbacks import Callback, GradientClipCallback
 
@@ -95,13 +96,14 @@ def test_fp16_resume_on_cuda_is_bit_exact(tmp_path: Any) -> None:
 
 def test_evaluate_and_predict_on_cuda_match_the_cpu() -> None:
     trainer = make_trainer(Callback(), device="cuda")
-    x, y = trainer.dev_data.tensors
+    data = tiny_data()  # make_trainer's dev_data
+    x, y = data.tensors
     cpu_model = trainer.model.to("cpu")
     expected = cpu_model(x)["pred"]
     trainer.model.to("cuda")
     accuracy = float((expected.argmax(1) == y).float().mean())
     assert abs(trainer.evaluate()["acc"] - accuracy) < 1e-6
-    preds = trainer.predict(trainer.dev_data)
+    preds = trainer.predict(data)
     assert preds is not None
     got = torch.tensor([p["pred"] for p in preds])
     assert torch.allclose(got, expected.detach(), atol=1e-5)
