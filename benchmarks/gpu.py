@@ -209,14 +209,14 @@ def bench(
     )
     say(f"{'round':>5}  {'first':<9}{'fastdist ms':>12}{'hand ms':>10}{'fastdist/hand':>15}")
     ratios: list[float] = []
-    sums: set[float] = set()
+    sums: dict[str, set[float]] = {"fastdist": set(), "hand": set()}  # final weights
     for r in range(rounds):
         order = ["fastdist", "hand"] if r % 2 == 0 else ["hand", "fastdist"]
         ms: dict[str, float] = {}
         for loop in order:
             seconds, total = LOOPS[loop](case, data, device, amp)
             ms[loop] = slowest(seconds) / case.steps * 1e3
-            sums.add(total)
+            sums[loop].add(total)
             gc.collect()  # free this run's trainer and DDP module (they form cycles)
         ratios.append(ms["fastdist"] / ms["hand"])
         timings = f"{ms['fastdist']:>12.3f}{ms['hand']:>10.3f}{ratios[-1]:>15.4f}"
@@ -226,8 +226,10 @@ def bench(
     say(
         f"median fastdist/hand {median:.4f} (rounds {min(ratios):.4f}..{max(ratios):.4f}): "
         f"{verdict} (target <= {TARGET}); same final weights in every run: "
-        f"{'yes' if len(sums) == 1 else 'no'}"
+        f"{'yes' if len(sums['fastdist'] | sums['hand']) == 1 else 'no'}"
     )
+    if len(sums["fastdist"] | sums["hand"]) > 1:  # run to run (nondeterministic kernels) or not
+        say(f"  weight checksums: fastdist {sorted(sums['fastdist'])}, hand {sorted(sums['hand'])}")
     return median
 
 
