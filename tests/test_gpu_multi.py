@@ -2,9 +2,9 @@
 world size 1, and 2 ranks on 2 GPUs over nccl; skipped, with the reason, without the GPUs.
 
 Each world is launched once per module (tests/workers/gpu_worker.py runs its cases in one
-process group) with CUDA visible, unlike the CPU tests' launches. Not yet run on a GPU: written
-from the code (fastdist/distributed/env.py's ``agreed_backend``, ``resolve_device``) in a session
-that had no GPU, where all of them are skipped.
+process group) with CUDA visible, unlike the CPU tests' launches. The one-GPU worlds passed on
+one H200 (torch 2.11.0+cu130, 2026-11-27); the two-GPU ones have not run yet (no machine with
+two GPUs was lent).
 """
 
 from __future__ import annotations
