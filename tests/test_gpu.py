@@ -3,6 +3,7 @@
 They reuse tests/inprocess.py's tiny trainer with ``device="cuda"``. Run once on a GPU (one
 H200, torch 2.11.0+cu130, 2026-11-27): five passed; the evaluate/predict test failed on its own
 bug (it read a ``trainer.dev_data`` that does not exist), fixed since and checked on CPU only.
+The host-sync count (issue 32) was written after that run and has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -120,3 +121,40 @@ def test_batches_are_pinned_and_reach_the_gpu() -> None:
     assert next(iter(trainer.data.loader))[0].is_pinned()
     trainer.train()
     assert seen and all(d.type == "cuda" for d in seen)
+
+
+class SyncsPerBatch(Callback):
+    """CUDA's synchronizing-operation warnings (``set_sync_debug_mode("warn")``), counted from
+    each micro-batch's ``on_batch_begin`` to the next one's: the batch's own work and the read
+    of the next batch, by whether the batch ended an update."""
+
+    def __init__(self, caught: list[Any]) -> None:
+        self.caught, self.mark = caught, 0
+        self.is_update = False
+        self.counts: dict[bool, list[int]] = {False: [], True: []}
+
+    def on_batch_begin(self, batch: Any) -> None:
+        if self.trainer.state.batch_idx > 0:  # the previous micro-batch's interval ends here
+            self.counts[self.is_update].append(len(self.caught) - self.mark)
+        self.mark = len(self.caught)
+
+    def on_batch_end(self) -> None:
+        self.is_update = self.trainer.state.is_update
+
+
+def test_no_host_sync_per_micro_batch_or_update_between_log_steps() -> None:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        syncs = SyncsPerBatch(caught)
+        trainer = make_trainer(syncs, device="cuda", update_every=2, print_every=1000)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert len(syncs.counts[False]) == 3 and len(syncs.counts[True]) == 2  # 6 micro-batches
+    found = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert found, "sync debug mode reported nothing over a whole run (evaluation syncs)"
+    assert syncs.counts == {False: [0, 0, 0], True: [0, 0]}, found
