@@ -4,6 +4,7 @@ Run from the repository root::
 
     python benchmarks/gpu.py                                    # one GPU
     torchrun --nproc-per-node=2 benchmarks/gpu.py               # 2+ GPUs: DDP over nccl
+    python benchmarks/gpu.py --workload transformer --compile   # both loops torch.compile'd
     python benchmarks/gpu.py --device cpu --quick               # smoke test, CPU
     torchrun --nproc-per-node=2 benchmarks/gpu.py --device cpu --quick   # smoke test, gloo
 
@@ -106,23 +107,33 @@ def make_cases(quick: bool, steps: int | None, warmup: int | None) -> dict[str, 
     return {case.name: case for case in (mlp, transformer)}
 
 
-def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
-    if amp == "none":
+@dataclass(frozen=True)
+class Setup:
+    """What both loops run with: the device, autocast (``none``/``bf16``), ``torch.compile``."""
+
+    device: torch.device
+    amp: str
+    compile: bool
+
+
+def autocast(setup: Setup) -> contextlib.AbstractContextManager:
+    if setup.amp == "none":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    return torch.autocast(setup.device.type, dtype=torch.bfloat16)
 
 
-def hand_loop(
-    case: Case, data: TensorDataset, device: torch.device, amp: str
-) -> tuple[float, float]:
+def hand_loop(case: Case, data: TensorDataset, setup: Setup) -> tuple[float, float]:
     """The loop people write: sampler, pinned DataLoader, DDP when several processes.
 
     Returns this rank's seconds for the timed updates and the final weights' checksum.
     """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    device = setup.device
     model = case.model()
     optimizer = build_optimizer(model)
     model.to(device)
+    if setup.compile:
+        model.compile()  # in place, before DDP wraps it, as fastdist's compile=True
     module: nn.Module = model
     if world > 1:
         ids = [device.index] if device.type == "cuda" else None
@@ -138,7 +149,7 @@ def hand_loop(
     sync, timing = make_sync(device), Timing()
     for step, (x, y) in enumerate(loader, start=1):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast(device, amp):
+        with autocast(setup):
             loss = loss_fn(module(x), y)
         loss.backward()
         optimizer.step()
@@ -149,11 +160,9 @@ def hand_loop(
     return timing.t1 - timing.t0, checksum(model)
 
 
-def fastdist_loop(
-    case: Case, data: TensorDataset, device: torch.device, amp: str
-) -> tuple[float, float]:
+def fastdist_loop(case: Case, data: TensorDataset, setup: Setup) -> tuple[float, float]:
     """The same training with ``DistTrainer``; the clock in a callback at the same updates."""
-    sync, timing = make_sync(device), Timing()
+    sync, timing = make_sync(setup.device), Timing()
     total = case.warmup + case.steps
 
     class Clock(Callback):
@@ -175,10 +184,11 @@ def fastdist_loop(
         n_epochs=1,
         print_every=total + 1,
         use_tqdm=False,
-        device="cuda" if device.type == "cuda" else "cpu",  # cuda: cuda:LOCAL_RANK
+        device="cuda" if setup.device.type == "cuda" else "cpu",  # cuda: cuda:LOCAL_RANK
         seed=SAMPLER_SEED,
         load_best_model=False,
-        amp=None if amp == "none" else amp,
+        amp=None if setup.amp == "none" else setup.amp,
+        compile=setup.compile,
     )
     trainer.train(resume=False)
     return timing.t1 - timing.t0, checksum(model)
@@ -196,16 +206,15 @@ def slowest(seconds: float) -> float:
     return max(s for s in everyone if s is not None)
 
 
-def bench(
-    case: Case, device: torch.device, rounds: int, amp: str, say: Callable[..., None]
-) -> float:
+def bench(case: Case, setup: Setup, rounds: int, say: Callable[..., None]) -> float:
     """Alternate the loops for ``rounds`` rounds; print each and return the median ratio."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     data = case.data((case.warmup + case.steps) * case.batch * world)  # one epoch, full batches
     params = sum(p.numel() for p in case.model().parameters()) / 1e6
     say(
         f"\n{case.name}: {case.describe} ({params:.1f}M parameters), batch {case.batch} per "
-        f"process, {case.steps} timed steps after {case.warmup} warm-up, amp {amp}"
+        f"process, {case.steps} timed steps after {case.warmup} warm-up, amp {setup.amp}, "
+        f"compile {'yes' if setup.compile else 'no'}"
     )
     say(f"{'round':>5}  {'first':<9}{'fastdist ms':>12}{'hand ms':>10}{'fastdist/hand':>15}")
     ratios: list[float] = []
@@ -214,7 +223,7 @@ def bench(
         order = ["fastdist", "hand"] if r % 2 == 0 else ["hand", "fastdist"]
         ms: dict[str, float] = {}
         for loop in order:
-            seconds, total = LOOPS[loop](case, data, device, amp)
+            seconds, total = LOOPS[loop](case, data, setup)
             ms[loop] = slowest(seconds) / case.steps * 1e3
             sums[loop].add(total)
             gc.collect()  # free this run's trainer and DDP module (they form cycles)
@@ -244,6 +253,7 @@ def main() -> None:
     add("--steps", type=int, default=None, help="timed steps; default mlp 1000, transformer 200")
     add("--warmup", type=int, default=None, help="untimed steps; default mlp 100, transformer 20")
     add("--amp", choices=("none", "bf16"), default="none", help="autocast in both loops")
+    add("--compile", action="store_true", help="torch.compile the model in both loops")
     add("--quick", action="store_true", help="tiny Transformer, few steps: a smoke test")
     args = parser.parse_args()
     rounds = args.rounds or (2 if args.quick else 5)
@@ -280,7 +290,8 @@ def main() -> None:
     )
     cases = make_cases(args.quick, args.steps, args.warmup)
     names = list(cases) if args.workload == "all" else [args.workload]
-    medians = {name: bench(cases[name], device, rounds, args.amp, say) for name in names}
+    setup = Setup(device, args.amp, args.compile)
+    medians = {name: bench(cases[name], setup, rounds, say) for name in names}
     say("\nsummary (median fastdist/hand ms/step):")
     for name, median in medians.items():
         say(f"  {name:<12}{median:.4f}  {'PASS' if median <= TARGET else 'MISS'} (<= {TARGET})")
