@@ -46,6 +46,7 @@ from workers.trainer_worker import ToyData, ToyNet
 
 from fastdist import DDP, FSDP, AccuracyMetric, Callback, CrossEntropyLoss
 from fastdist.callbacks import EarlyStopCallback
+from fastdist.data import TokenBatchSampler
 
 WORKER = Path(__file__).resolve().parent / "workers" / "bad_input_worker.py"
 LAUNCH_BOUND = 40.0  # seconds for the whole launch (5 s here, torch's import included)
@@ -338,6 +339,17 @@ ROWS: dict[str, Row] = {
     "batch_sampler_with_drop_last": row(
         {"batch_sampler": [[0, 1], [2, 3]], "drop_last": True},
         "ValueError: drop_last=True does not apply with batch_sampler= | leave drop_last out",
+    ),
+    # lengths not one per sample of train_data (ToyData(32)): samples never trained, or an
+    # IndexError on one rank
+    "token_lengths_too_few": row(
+        {"batch_sampler": TokenBatchSampler([3] * 31, 8)},
+        "ValueError: TokenBatchSampler has 31 lengths for a train_data of 32 samples | never train"
+        " | pass the length of every sample of train_data",
+    ),
+    "token_lengths_too_many": row(
+        {"batch_sampler": TokenBatchSampler([3] * 35, 8)},
+        "ValueError: TokenBatchSampler has 35 lengths for a train_data of 32 samples",
     ),
     "collate_fn_not_callable": row(
         {"collate_fn": "stack"}, "TypeError: collate_fn must be a function | or None | got 'stack'"

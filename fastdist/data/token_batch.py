@@ -32,7 +32,8 @@ class TokenBatchSampler(Sampler[list[int]]):
 
     Raises:
         ValueError: a sample is longer than ``max_tokens`` (naming its index and length),
-            a length is not a positive integer, or ``lengths`` is empty.
+            a length is not a positive integer, or ``lengths`` is empty (and, in
+            ``DistTrainer``, when ``lengths`` does not have one entry per sample).
     """
 
     def __init__(
@@ -84,6 +85,17 @@ class TokenBatchSampler(Sampler[list[int]]):
                 "peers sharing one): leave rank and world_size out inside DistTrainer"
             )
         self._rank, self._world_size = rank, world_size
+
+    def check_samples(self, n: int | None) -> None:
+        """Raise unless ``lengths`` has one entry per sample of a dataset of ``n`` (``None``:
+        unknown, nothing to check)."""
+        if n is not None and n != len(self.lengths):
+            raise ValueError(
+                f"TokenBatchSampler has {len(self.lengths)} lengths for a train_data of {n} "
+                "samples (samples without a length would never train; lengths past the end "
+                "would index outside it): pass the length of every sample of train_data, by "
+                "index"
+            )
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch, hence the batches (the same on every rank)."""

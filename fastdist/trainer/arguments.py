@@ -68,13 +68,15 @@ class Arguments:
         return isinstance(self.train_data, IterableDataset)
 
 
-def shard_data(train_data: Any, batch_sampler: Any, strategy: Strategy) -> int:
+def shard_data(train_data: Any, n_train: int | None, batch_sampler: Any, strategy: Strategy) -> int:
     """Tell a token batch sampler this rank's data shard (tensor-parallel peers share one; each
-    torchft replica group has its own), check a sharded stream's; return how many data shards
-    there are. Raises before any collective (the layout is known from the environment)."""
+    torchft replica group has its own) and check its lengths against the ``n_train`` samples;
+    check a sharded stream's; return how many data shards there are. Raises before any
+    collective (the layout is known from the environment)."""
     shard = Topology.of(strategy).data_shard
     every = refuse_stream(train_data, strategy.replica_group, shard)  # torchft's groups
     if isinstance(batch_sampler, TokenBatchSampler):
+        batch_sampler.check_samples(n_train)
         batch_sampler.set_shard(every.rank, every.size)
     if isinstance(train_data, ShardedStream):
         train_data.check_shard(shard.rank, shard.size, get_world_size())
@@ -94,15 +96,13 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
         check_dataset("dev_data", dev_data)
     sampler, batch_sampler = given["sampler"], given["batch_sampler"]
     check_samplers(sampler, batch_sampler, stream, options.drop_last)
-    shards = shard_data(train_data, batch_sampler, options.strategy)
-    if not stream:
-        n_train = check_dataset("train_data", train_data)
-        if sampler is None and batch_sampler is None:
-            n_rank = n_train // shards
-            check_enough_samples(n_rank, options.batch_size_per_gpu, options.drop_last)
-            options.strategy.check_batches(
-                epoch_batches(n_train, shards, options), options.update_every
-            )
+    n_train = None if stream else check_dataset("train_data", train_data)
+    shards = shard_data(train_data, n_train, batch_sampler, options.strategy)
+    if n_train is not None and sampler is None and batch_sampler is None:
+        check_enough_samples(n_train // shards, options.batch_size_per_gpu, options.drop_last)
+        options.strategy.check_batches(
+            epoch_batches(n_train, shards, options), options.update_every
+        )
     metrics = check_metrics(given["metrics"], dev_data is not None, options.metric_key)
     metric_key, larger_better = resolve_metric_key(options.metric_key, metrics)
     optimizer = given["optimizer"]
