@@ -166,10 +166,21 @@ def test_split_output() -> None:
     both = {"a": torch.zeros(2, 1), "b": ["u", "v"], "n": 3, "loss": torch.tensor(1.0)}
     assert split_output(both, 2) == [{"a": [0.0], "b": "u"}, {"a": [0.0], "b": "v"}]
     assert split_output([torch.tensor([1, 2]), torch.tensor([3])], 2) == [[1, 2], [3]]
+    # A tuple is several outputs, split like a dict's entries whatever the batch size (its
+    # length equal to the batch's once made it one item per sample: another result at another
+    # world size).
+    pair = (torch.tensor([[0.5], [1.5]]), torch.tensor([10, 20]), torch.tensor(3.0))
+    assert split_output(pair, 2) == [([0.5], 10), ([1.5], 20)]
+    assert split_output(pair[:2], 2) == split_output(pair, 2)
+    assert split_output((torch.tensor([7]), ["x"]), 1) == [(7, "x")]
     with pytest.raises(ValueError, match="to_output"):
         split_output(torch.zeros(3, 2), 2)
     with pytest.raises(ValueError, match="to_output"):
         split_output({"loss": torch.tensor(1.0)}, 2)
+    with pytest.raises(ValueError, match="tuple output holds"):
+        split_output((torch.tensor(1.0), 3), 2)
+    with pytest.raises(ValueError, match=r"output\[1\] has shape \(3,\)"):
+        split_output((torch.zeros(2), torch.zeros(3)), 2)
     with pytest.raises(TypeError, match="to_output"):
         split_output("text", 2)
 

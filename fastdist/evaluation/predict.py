@@ -61,7 +61,8 @@ def predict(
     By default a batch's output becomes per-sample outputs like this: a tensor is split along
     dim 0 into Python lists (``output.tolist()``); a dict gives a dict per sample of its
     per-sample entries (tensors and lists whose first dimension is the batch size; scalars
-    such as a batch loss are left out); a list or tuple as long as the batch is taken as one
+    such as a batch loss are left out), and a tuple (several outputs, e.g. ``(logits,
+    hidden)``) a tuple per sample of them, alike; a list as long as the batch is taken as one
     item per sample. ``to_output(output, batch)`` overrides this and must return one object
     per sample of the batch.
 
@@ -163,6 +164,8 @@ def split_output(output: Any, n: int) -> list[Any]:
         [[1, 2], [3, 4]]
         >>> split_output({"pred": torch.tensor([0, 1]), "loss": torch.tensor(0.5)}, 2)
         [{'pred': 0}, {'pred': 1}]
+        >>> split_output((torch.tensor([0, 1]), torch.tensor([[5], [6]])), 2)
+        [(0, [5]), (1, [6])]
     """
     if isinstance(output, torch.Tensor):
         if output.dim() == 0 or output.size(0) != n:
@@ -171,19 +174,24 @@ def split_output(output: Any, n: int) -> list[Any]:
                 f"batch size {n}: pass to_output=fn(output, batch) returning one item per sample"
             )
         return output.detach().cpu().tolist()
-    if isinstance(output, Mapping):
+    if isinstance(output, (Mapping, tuple)):  # a tuple is split as a dict of its positions
+        mapping = isinstance(output, Mapping)
+        entries = output.items() if isinstance(output, Mapping) else enumerate(output)
         columns: dict[Any, list[Any]] = {}
-        for key, value in output.items():
+        for key, value in entries:
             column = _column(key, value, n)
             if column is not None:
                 columns[key] = column
         if not columns:
+            what = f"dict output {sorted(map(str, output))}" if mapping else "tuple output"
             raise ValueError(
-                f"no entry of the model's dict output {sorted(map(str, output))} holds one value "
-                f"per sample (batch size {n}): pass to_output=fn(output, batch)"
+                f"no entry of the model's {what} holds one value per sample (batch size {n}): "
+                "pass to_output=fn(output, batch)"
             )
+        if not mapping:
+            return [tuple(column[i] for column in columns.values()) for i in range(n)]
         return [{key: column[i] for key, column in columns.items()} for i in range(n)]
-    if isinstance(output, (list, tuple)) and len(output) == n:
+    if isinstance(output, list) and len(output) == n:
         return [_plain(item) for item in output]
     raise TypeError(
         f"cannot split a model output of type {type(output).__name__} into {n} samples: "
