@@ -126,7 +126,7 @@ class Mixed(Tagger):
         ),
         (
             lambda: stage_plan(three_blocks(), Pipeline(stages=2, schedule="interleaved-1f1b"), 2),
-            "holds 3: no Pipeline fits on 2 process(es): use DDP() or FSDP()",
+            "holds 3: use Pipeline(stages=2)",  # one stage per rank fits where 2 do not
         ),
         (
             lambda: Pipeline(stages=2, stage_strategy=FSDP(tp=4, tp_plan=TP_PLAN)).degrees(4),
@@ -146,16 +146,20 @@ def test_bad_pipelines_are_refused(make: Any, words: str) -> None:
     assert words in str(caught.value)
 
 
-def test_trainer_refuses_before_any_process_group() -> None:
-    """The checks DistTrainer runs alike on every rank: a window too short for 1F1B, a world
-    that the stages do not divide (here one process)."""
+def test_trainer_refuses_before_any_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks DistTrainer runs alike on every rank: a world that the stages do not divide
+    (here one process), before a window too short for 1F1B (whose fix would not help)."""
     model = Tagger()
 
     def trainer(**options: Any) -> None:
         DistTrainer(Sequences(N_TRAIN), model, loss=token_loss, device="cpu", **options)
 
+    with pytest.raises(ValueError, match=r"Pipeline\(stages=3\) runs one stage per rank, but"):
+        trainer(strategy=Pipeline(stages=3), update_every=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun's, before any group: the layout fits
     with pytest.raises(ValueError, match="schedule='1f1b' needs at least as many micro-batch"):
         trainer(strategy=Pipeline(stages=2), update_every=1)
+    monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(
         ValueError, match=r"Pipeline\(stages=2, schedule='gpipe'\) runs one stage per rank"
     ):

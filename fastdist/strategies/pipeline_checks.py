@@ -82,6 +82,8 @@ def stage_plan(model: nn.Module, pipeline: Any, world_size: int | None) -> Stage
         return plan_stages(model, stages * per_rank, pipeline.split)
     except TooFewBlocks as exc:
         fit = fitting(world_size, schedule, stage_strategy, exc.blocks)
+        if not fit and per_rank > 1:  # one stage per rank needs half the blocks
+            fit = fitting(world_size, "1f1b", stage_strategy, exc.blocks)
         ranks = "" if world_size is None else f" on {world_size} process(es)"
         fix = f"use {' or '.join(fit)}" if fit else f"no Pipeline fits{ranks}: use DDP() or FSDP()"
         looped = " (2 per rank under interleaved 1F1B)" if per_rank > 1 else ""

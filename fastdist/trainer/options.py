@@ -27,6 +27,7 @@ from fastdist.checks import (
     describe,
 )
 from fastdist.data.workers import CONTEXTS
+from fastdist.distributed import get_world_size
 from fastdist.strategies import Strategy, resolve_strategy
 from fastdist.strategies.blocks import checkpoint_period
 
@@ -122,6 +123,7 @@ class TrainerOptions:
         check_choice("multiprocessing_context", self.multiprocessing_context, CONTEXTS)
         check_choice("on_nonfinite", self.on_nonfinite, ("raise", "skip"))
         check_choice("best_model_format", self.best_model_format, FORMATS)
+        self.strategy.degrees(get_world_size())  # the layout first: the window assumes it fits
         self.strategy.check_window(self.update_every)
         if self.on_nonfinite == "skip" and self.strategy.local_steps:
             raise ValueError(
