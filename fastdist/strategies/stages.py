@@ -355,9 +355,10 @@ def batch_shapes(batch: Any) -> tuple[Any, ...]:
 
 def stage_example(hidden: Any) -> Any:
     """An activation of ``hidden``'s shape as it flows in training (requiring gradients); for
-    the last stage's output (a tuple of tensors, not sent), as many placeholders."""
+    the last stage's output (a tuple of tensors, not sent), its shapes on the meta device (as
+    torch's own shape inference gives them: torch 2.11 checks every output against them)."""
     if isinstance(hidden, tuple):
-        return tuple(torch.empty(0) for _ in hidden)
+        return tuple(torch.empty_like(h, device="meta") for h in hidden)
     return torch.empty_like(hidden).requires_grad_(hidden.is_floating_point())
 
 
