@@ -67,8 +67,10 @@ class Background:
 
     def shard_stager(self) -> Any:
         """DCP's stager of the shards for ``async_save``, kept from one checkpoint to the next:
-        it copies them into the buffers of its previous copy, as :meth:`copy` does."""
-        if self._stager is None:
+        it copies them into the buffers of its previous copy, as :meth:`copy` does. Made anew
+        for each before torch 2.13, whose stager closes itself after one use (2.11: the next
+        raised ``KeyError: <class 'type'>``)."""
+        if self._stager is None or torch.__version__ < "2.13":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             self._stager = DefaultStager(StagingOptions(False, False, False, False))
