@@ -232,12 +232,13 @@ def bench(case: Case, setup: Setup, rounds: int, say: Callable[..., None]) -> fl
         say(f"{r + 1:>5}  {order[0]:<9}{timings}")
     median = statistics.median(ratios)
     verdict = "PASS" if median <= TARGET else "MISS"
+    same = len(sums["fastdist"] | sums["hand"]) == 1
     say(
         f"median fastdist/hand {median:.4f} (rounds {min(ratios):.4f}..{max(ratios):.4f}): "
         f"{verdict} (target <= {TARGET}); same final weights in every run: "
-        f"{'yes' if len(sums['fastdist'] | sums['hand']) == 1 else 'no'}"
+        f"{'yes' if same else 'no'}"
     )
-    if len(sums["fastdist"] | sums["hand"]) > 1:  # run to run (nondeterministic kernels) or not
+    if not same:  # run to run (nondeterministic kernels), or fastdist against the hand loop
         say(f"  weight checksums: fastdist {sorted(sums['fastdist'])}, hand {sorted(sums['hand'])}")
     return median
 
