@@ -13,7 +13,7 @@ import torch
 from launch import Result, run_ranks
 from torch.utils.data import DataLoader, IterableDataset
 
-from fastdist import DistTrainer
+from fastdist import Callback, DistTrainer
 from fastdist.callbacks import WarmupCallback
 from fastdist.data import ShardedStream, StreamShard
 from fastdist.trainer.progress import Progress
@@ -189,11 +189,47 @@ def test_shards_split_the_stream_by_rank_and_worker() -> None:
     assert parts[1] == [i for i in range(23) if i % 4 in (2, 3)]
 
 
-def _stream_trainer(**kwargs: Any) -> DistTrainer:
+def _stream_trainer(n: int = 10, **kwargs: Any) -> DistTrainer:
     model = torch.nn.Linear(1, 1)
     return DistTrainer(
-        Numbers(10), model, loss=lambda out, batch: out.pow(2).mean(), device="cpu", **kwargs
+        Numbers(n), model, loss=lambda out, batch: out.pow(2).mean(), device="cpu", **kwargs
     )
+
+
+class StopIn4thUpdate(Callback):
+    def on_backward_end(self) -> None:
+        if self.trainer.state.global_step == 3:
+            self.trainer.request_stop()  # agreed at update 4's log step (print_every=1)
+
+
+# 256 MiB: the 4 windows in one agreement; 1e-9: one window per agreement, so that the end of
+# the pass is in the agreement under way at the last update
+@pytest.mark.parametrize("read_ahead_mb", [256.0, 1e-9])
+def test_a_stop_at_a_streams_last_update_completes_the_epoch_and_its_checkpoint(
+    read_ahead_mb: float, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stop at a stream's last update ends the epoch, whose checkpoint is written (before, the
+    epoch was left incomplete and none was: a rerun trained that update again); a checkpoint
+    due at the last update of an epoch is written once (before, twice)."""
+    stopped = _stream_trainer(
+        8, batch_size_per_gpu=2, n_epochs=2, print_every=1, save_path=str(tmp_path / "stop"),
+        checkpoint_every=100, use_tqdm=False, callbacks_all=[StopIn4thUpdate()],
+        stream_read_ahead_mb=read_ahead_mb,
+    )  # fmt: skip
+    assert stopped.train(resume=False)["steps"] == 4  # the 4th update ends the epoch (8 items)
+    assert stopped.state.epoch_complete
+    assert [p.name for p in (tmp_path / "stop" / "checkpoints").glob("step-*")] == [
+        "step-00000004.pt"
+    ]
+    every2 = _stream_trainer(
+        8, batch_size_per_gpu=2, n_epochs=2, save_path=str(tmp_path / "every"), checkpoint_every=2,
+        keep_checkpoints=10, use_tqdm=False, stream_read_ahead_mb=read_ahead_mb,
+    )  # fmt: skip
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fastdist"):
+        assert every2.train(resume=False)["steps"] == 8
+    written = [r.getMessage().rsplit("-", 1)[1] for r in caplog.records if "written" in r.msg]
+    assert written == ["00000002.pt", "00000004.pt", "00000006.pt", "00000008.pt"]
 
 
 def test_stream_refuses_a_sampler() -> None:

@@ -163,7 +163,7 @@ class TrainBatches:
         """Whether ``done`` micro-batches end a window (:func:`window_weights`'s)."""
         return done % self.update_every == 0 or done == len(self.weights)
 
-    def ends_pass(self, done: int) -> bool:
+    def ends_pass(self, done: int, wait: bool = False) -> bool:
         """Whether ``done`` micro-batches are the whole pass."""
         return done == len(self.weights)
 

@@ -48,8 +48,9 @@ class Batches(Protocol):
         """Whether ``done`` micro-batches of the pass end an update window (the windows are
         the data's: ``update_every`` micro-batches, or fewer at the end of a pass)."""
 
-    def ends_pass(self, done: int) -> bool:
-        """Whether ``done`` micro-batches are known to be the whole pass."""
+    def ends_pass(self, done: int, wait: bool = False) -> bool:
+        """Whether ``done`` micro-batches are known to be the whole pass (``wait``: a stream
+        waits for what tells, where that is under way)."""
 
     def position(self, done: int) -> tuple[int, int]:
         """``(samples, batches)`` of the epoch done by all ranks after ``done`` micro-batches

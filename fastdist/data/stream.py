@@ -23,6 +23,7 @@ stream restarts the interrupted epoch from its start, with a warning.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import warnings
 from collections.abc import Callable, Iterator
@@ -113,6 +114,7 @@ class StreamBatches:
         self._state: dict[str, Any] | None = None  # the loader's position after the window
         self._read_last: dict[str, Any] | None = None  # that after the last window read
         self._ends: dict[int, tuple[int, int]] = {}  # micro-batches done -> position
+        self._after: Any = None  # the next window's sizes per rank, or their agreement
         self.epoch = 0
 
     def n_updates(self, epoch: int, samples: int = 0, batches: int = 0) -> None:
@@ -123,7 +125,7 @@ class StreamBatches:
         """Start a pass of ``epoch`` from the position ``(samples, batches)``."""
         self.source.set_epoch(epoch)
         self.epoch, self.weights, self.samples = epoch, [], []
-        self._ends = {0: (samples, batches)}
+        self._ends, self._after = {0: (samples, batches)}, None
 
     def iterate(self) -> Iterator[Any]:
         """This rank's batches of the pass, with fillers; ``iter()`` of the loader runs now."""
@@ -149,7 +151,8 @@ class StreamBatches:
         group += self._read(batches, count - 1)
         agreed = self._agree(group)
         while True:
-            for j, sizes in enumerate(agreed()):
+            windows = agreed()
+            for j, sizes in enumerate(windows):
                 length = max(map(len, sizes))
                 if not length and self._ends == {0: (0, 0)}:  # every rank's, from the start
                     raise ValueError(
@@ -163,6 +166,7 @@ class StreamBatches:
                 if j == count - 1:  # read the next windows; their agreement runs meanwhile
                     ahead = self._read(batches, count)
                     agreed = self._agree(ahead)
+                self._after = agreed if j == count - 1 else windows[j + 1]
                 samples, n_batches = self._ends[len(self.weights)]
                 self.weights += window_weights(sizes, self.rank, k)
                 self.samples += sizes[self.rank] + [0] * (length - len(sizes[self.rank]))
@@ -236,15 +240,20 @@ class StreamBatches:
                     )
             return per_window
 
-        return sizes
+        return functools.cache(sizes)  # read by ends_pass(wait=True) too
 
     def ends_window(self, done: int) -> bool:
         """Whether ``done`` micro-batches end a window (one agreed so far)."""
         return done in self._ends
 
-    def ends_pass(self, done: int) -> bool:
-        """Never known before the stream has ended."""
-        return False
+    def ends_pass(self, done: int, wait: bool = False) -> bool:
+        """Whether ``done`` micro-batches end the pass: known where the next window's sizes
+        were agreed with this one's, else once their agreement (under way) is read, which
+        ``wait`` does (every rank finds the same)."""
+        after = self._after
+        if done != len(self.weights) or after is None or (callable(after) and not wait):
+            return False
+        return not max(map(len, after()[0] if callable(after) else after))
 
     def position(self, done: int) -> tuple[int, int]:
         """(samples, batches) of the epoch trained on by all ranks after ``done`` micro-batches

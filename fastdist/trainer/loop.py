@@ -61,8 +61,9 @@ class Loop:
                 validate = save = False
                 if applied:
                     validate = run.validator.due_after_update(state.global_step)
-                    ends_epoch = self.data.ends_pass(state.batch_idx + 1)  # saved below
-                    save = run.checkpointer.due(state.global_step) and not ends_epoch
+                    due = run.checkpointer.due(state.global_step)
+                    ends_epoch = self.data.ends_pass(state.batch_idx + 1, wait=due)  # saved below
+                    save = due and not ends_epoch
                     every = self.options.print_every
                     if state.global_step % every == 0:
                         # Read at once where a sync point follows anyway (or, print_every=1,
@@ -82,9 +83,9 @@ class Loop:
             agreed = self.settle() or agreed  # e.g. a stream's last update's log step
             if state.lost_samples:  # replica groups failed (DDP(fault_tolerant=True))
                 logger.warning("epoch %d: %d samples lost", epoch, state.lost_samples)
-            # The epoch ran to its end: a stop agreed at its last update's evaluation too (then
-            # its checkpoint, left to the epoch's end, is written below).
-            last = agreed.stop and not agreed.preempted and self.data.ends_pass(state.batch_idx + 1)
+            # A stop agreed at the epoch's last update ends it (its checkpoint is written below).
+            last = agreed.stop and not agreed.preempted
+            last = last and self.data.ends_pass(state.batch_idx + 1, wait=True)
             if not agreed.stop or last:
                 state.epoch_complete = True
                 if not agreed.stop and run.validator.due_at_epoch_end:
@@ -103,8 +104,7 @@ class Loop:
 
     def _epochs(self) -> range:
         """The epochs left, the current one first if it is not complete."""
-        state = self.state
-        first = state.epoch + 1 if state.epoch_complete else state.epoch
+        first = self.state.epoch + (1 if self.state.epoch_complete else 0)
         return range(max(first, 1), self.options.n_epochs + 1)
 
     def _enter(self, epoch: int) -> None:
