@@ -93,6 +93,13 @@ def test_exception_on_one_rank_stops_all_with_one_tagged_traceback(tmp_path: Pat
     assert "[rank 1] rank 1 raised ValueError: boom in forward on purpose" in output
     assert output.count('in forward\n    raise ValueError("boom in forward on purpose")') == 1
     assert "rank 1 (this rank): epoch 1, step 2, phase train" in output  # 3rd forward
+    # Rank 0's hang report gives rank 1's record of its failure, which rank 1 left in the store
+    # before it exited (an audit: "no record (dead, or not answering)", and not its line).
+    clock = r"\d\d:\d\d:\d\d\.\d"
+    failed = rf"  rank 1 \(at {clock}\): FAILED with ValueError: boom in forward on purpose\n"
+    line = re.escape(_worker_line('raise ValueError("boom in forward on purpose")'))
+    assert re.search(rf"{failed}.*\n    at {line} in forward \(your code\)", output), output
+    assert "no record" not in output and "reported no failure" not in output
 
 
 @pytest.mark.slow
@@ -140,9 +147,12 @@ def test_timeout_reports_every_ranks_position_collective_and_line(
     report = "\n".join(re.findall(r"^  .*", report, re.MULTILINE)[:7])  # rank 0's report only
     rank_0 = re.escape(_worker_line("result = trainer.train()") + " in main (your code)")
     rank_1 = re.escape(_worker_line("time.sleep(2 * TIMEOUT)") + " in _sleep_on_rank_1 (your code)")
+    # DDP's gradient all-reduce, issued in the backward pass (on the CPU, in the main thread)
+    ddp = r"\S+/fastdist/strategies/base\.py:\d+ in forward_backward"
     pattern = (
         rf"  rank 0 \(at {clock}\): FAILED with RuntimeError: .*Timed out.*\n    in "
-        rf"gloo:all_reduce #(\d+) of group 1\n    at {rank_0}, innermost .*\n  rank 1 \(at "
+        rf"gloo:all_reduce #(\d+) of group 1, called at {ddp}\n    at {rank_0}, innermost .*\n"
+        rf"  rank 1 \(at "
         rf"{clock}\): epoch 1, step 2, phase \w+\n    never "
         rf"entered gloo:all_reduce #\1 of group 1 \(its last there: #\d+\)\n    at {rank_1}\n"
         r"  missing ranks: \[1\] never entered gloo:all_reduce #\1 of group 1 \(ranks \[0\] "
@@ -481,6 +491,8 @@ def test_a_hang_answer_dumps_the_flight_recorder_once_and_says_where_it_could_no
             answer = json.loads(store.get(f"fastdist/hang/{n}/0"))
             assert len(dumps) == n, "the flight recorder was dumped more than once"
             assert answer["collectives"] == hang.last_collectives(dumps[-1]) != {}
+            (called_at,) = [c["called_at"] for c in answer["collectives"].values()]
+            assert called_at.startswith(f"{__file__}:"), called_at  # the all_reduce's line
         assert answer["dump_error"].startswith("NotADirectoryError: "), answer["dump_error"]
         monkeypatch.setattr(hang, "_watch", watch)  # this process's watcher, as watch() sets it
         headline, blocked = _dumps({0: answer}), tmp_path / "blocker" / "hang"

@@ -31,6 +31,7 @@ import faulthandler
 import functools
 import json
 import os
+import pickle
 import sys
 import threading
 import time
@@ -43,7 +44,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fastdist.distributed.bounded import within
+from fastdist.distributed.bounded import STORE_WAIT_S, within
 
 #: Flight recorder entries each rank keeps (``TORCH_FR_BUFFER_SIZE``, unless set already).
 FR_ENTRIES = 200
@@ -59,6 +60,7 @@ DIR_VAR = "FASTDIST_HANG_DIR"
 
 _COUNT, _ANSWER, _JOB = "fastdist/hang/count", "fastdist/hang/{}/{}", "fastdist/hang/job"
 _REQUEST = "fastdist/hang/request/{}/{}"  # a request's number and the rank asked: "" or "stop"
+_FAILED = "fastdist/hang/failed/{}"  # a rank's record of its own failure, kept after it exits
 #: How long the exit waits for the watcher to stop.
 STOP_WAIT_S = 2.0
 
@@ -219,8 +221,12 @@ def note_failure(exc: BaseException) -> None:
         stack = traceback.extract_stack(tb.tb_frame.f_back)
         stack.extend(traceback.extract_tb(tb))
     recorded = _flight_recorder()
-    _watch.failure = _watch.record(stack, recorded, f"{type(exc).__name__}: {exc}"[:300])
-    _watch.write(_watch.failure, recorded)
+    watch = _watch
+    watch.failure = watch.record(stack, recorded, f"{type(exc).__name__}: {exc}"[:300])
+    watch.write(watch.failure, recorded)
+    answer = json.dumps(dict(watch.failure, dump_error=watch.dump_error))
+    with contextlib.suppress(Exception):  # the store's host may be out of reach
+        within(STORE_WAIT_S, lambda: watch.store.set(_FAILED.format(watch.rank), answer))
 
 
 def collect(
@@ -254,8 +260,9 @@ def collect(
 
 
 def _earlier_answer(store: Any, number: int, rank: int) -> str | None:
-    """The key of ``rank``'s answer to the newest request before ``number``, if any."""
-    keys = [_ANSWER.format(n, rank) for n in range(number - 1, 0, -1)]
+    """The key of ``rank``'s answer to the newest request before ``number``, else of its record
+    of its own failure (kept in the store: the rank may have exited since), if any."""
+    keys = [_ANSWER.format(n, rank) for n in range(number - 1, 0, -1)] + [_FAILED.format(rank)]
     return next((key for key in keys if store.check([key])), None)
 
 
@@ -282,11 +289,12 @@ def is_library(filename: str) -> bool:
 
 
 def _flight_recorder() -> dict[str, Any]:
-    """The flight recorder's buffer as torch dumps it for its analyzer; ``{}`` when it is off."""
+    """The flight recorder's buffer as torch dumps it for its analyzer, with each entry's
+    Python stack (``frames``: its JSON dump leaves them out); ``{}`` when it is off."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
+        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]
 
-        return dict(json.loads(_dump_fr_trace_json(includeCollectives=True)))
+        return dict(pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=True)))
     except Exception:  # no recorder in this torch build, or it is off
         return {}
 
