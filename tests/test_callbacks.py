@@ -5,7 +5,9 @@ Nothing here starts a process; a trainer built here runs as a one-process world.
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
 from collections import namedtuple
 from pathlib import Path
 from types import SimpleNamespace
@@ -166,6 +168,20 @@ def test_a_stop_at_an_epochs_last_update_keeps_its_checkpoint(tmp_path: Path) ->
         "step-00000004.pt",
     ]
     assert trainer.state.epoch_complete
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_sys_exit_in_a_callback_is_reported_as_a_failure(caplog: pytest.LogCaptureFixture) -> None:
+    """``sys.exit()`` in a hook mid-training is reported like an exception (an audit: the rank
+    left silently, exit code 0, and its peers reported it as dead, not where it left)."""
+    seen: list[BaseException] = []
+    leave = on("on_step_end", lambda t: sys.exit(0) if t.state.global_step == 2 else None)
+    seen_by = on("on_exception", lambda t, exc: seen.append(exc))
+    trainer = make_trainer(64, callbacks_all=[leave, seen_by])
+    with caplog.at_level(logging.ERROR, logger="fastdist"), pytest.raises(SystemExit):
+        trainer.train()
+    assert "rank 0 raised SystemExit: 0\n  rank 0 (this rank): epoch 1, step 2" in caplog.text
+    assert len(seen) == 1 and isinstance(seen[0], SystemExit)
 
 
 # ----- LRSchedulerCallback, GradientClipCallback, EarlyStopCallback, CallbackList -----

@@ -524,6 +524,7 @@ def test_sigterm_preempts_with_a_checkpoint_and_resumes_exactly(
     told = output.find(f"[rank 1] pre-empted at step {stop}: rank 0 wrote the checkpoint {path}")
     assert 0 <= written < told, first.describe()
     assert f"[rank 0] pre-empted: checkpoint written at step {stop}: {path}" in output
+    assert "raised SystemExit" not in output  # the pre-emption's exit is not a failure
     # torchrun's summary: one "exitcode  : N (pid: P)" per rank
     assert re.findall(r"exitcode\s+:\s*(-?\d+)", output) == ["143"] * SIZE, first.describe()
     for rank in range(SIZE):

@@ -266,11 +266,6 @@ class Loop:
 
     def _fit(self, resume: bool | str | os.PathLike) -> dict[str, Any]:
         start, state, options = time.time(), self.state, self.options
-        if not self.model.training:
-            logger.info(
-                "the model came in eval mode (as from_pretrained returns it): it trains in "
-                "train mode (dropout on) and is put back in eval mode after training"
-            )
         self.training_modes.start()
         self._begin(self.run.checkpointer.restore(resume))
         self.stop_logged = False
@@ -280,9 +275,10 @@ class Loop:
                 if agreed.preempted:  # still watching: a second signal must not stop the write
                     self._save_preempted(agreed)
             self._end()
-        except Exception as exc:
-            report_failure(exc, self.where(), options.timeout)
-            self.callbacks.on_exception(exc)
+        except (Exception, SystemExit) as exc:  # sys.exit() in a callback: the others would wait
+            if not self.run.sigterm.exiting:  # a failure, not the pre-emption's exit
+                report_failure(exc, self.where(), options.timeout)
+                self.callbacks.on_exception(exc)
             raise
         finally:
             self.progress.close()

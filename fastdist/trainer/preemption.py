@@ -77,6 +77,11 @@ class SigtermFlag:
                     signal.signal(signum, handler)
             self.settle()
 
+    @property
+    def exiting(self) -> bool:
+        """Whether :meth:`exit` was called (its ``SystemExit`` is no failure)."""
+        return self._exiting
+
     def settle(self) -> None:
         """The ranks agreed to stop (or training is over): no deadline any more."""
         self._settled = True

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastdist.logging import logger
 from fastdist.modes import evaluating, modes, set_modes
 from fastdist.trainer.build import Run
 
@@ -174,6 +175,11 @@ class TrainingModes:
     def start(self) -> None:
         """At ``train()``'s start, before any hook: the modes the model came in."""
         training = self.model.training
+        if not training:
+            logger.info(
+                "the model came in eval mode (as from_pretrained returns it): it trains in "
+                "train mode (dropout on) and is put back in eval mode after training"
+            )
         self.modes = modes(self.modules) if training else [True] * len(self.modules)
 
     def begin_pass(self) -> None:
