@@ -54,7 +54,10 @@ def test_save_model_and_predict_on_rank_zero_only_raise_naming_the_cause(
     assert busy["error"].startswith("RuntimeError: save_model must be called on every rank, ")
     assert "(5 s passed; rank 1: epoch 2, step 6, phase finished): call it" in busy["error"]
     assert 5 <= busy["seconds"] < 6
-    for call, name in [("ended", "save_model"), ("predict", "predict"), ("evaluate", "evaluate")]:
+    for call, name in [
+        ("ended", "save_model"), ("predict", "predict"), ("evaluate", "evaluate"),
+        ("barrier", "barrier"),  # before: passed, paired with the barrier of rank 1's exit
+    ]:  # fmt: skip
         error = rank0[call]["error"]  # rank 1's script ended: no wait for the timeout
         assert error.startswith(f"RuntimeError: {name} must be called on every rank, "), call
         assert "ranks [1] did not call it (ranks [1] ended their script" in error, call

@@ -21,6 +21,7 @@ from fastdist.distributed.env import (
     get_rank,
     get_world_size,
 )
+from fastdist.distributed.position import enter_on_every_rank
 
 T = TypeVar("T")
 
@@ -34,8 +35,12 @@ def _several_processes() -> bool:
 
 
 def barrier() -> None:
-    """Wait until every process reaches this point; does nothing in a one-process world."""
+    """Wait until every process reaches this point; does nothing in a one-process world. Where
+    a process will not come, the others raise naming it: at once if its script ended, else
+    after the group's timeout."""
     if _several_processes():
+        store: Any = dist.distributed_c10d._get_default_store()  # its timeout: the group's
+        enter_on_every_rank("barrier", store.timeout.total_seconds())  # not a peer's exit
         dist.barrier()
 
 
