@@ -173,6 +173,15 @@ def test_split_output() -> None:
     assert split_output(pair, 2) == [([0.5], 10), ([1.5], 20)]
     assert split_output(pair[:2], 2) == split_output(pair, 2)
     assert split_output((torch.tensor([7]), ["x"]), 1) == [(7, "x")]
+    # A tuple of batch-first tensors in a dict (a ModelOutput's per-layer hidden_states) gives
+    # each sample its rows at any batch size (an audit: at a batch size equal to its length,
+    # sample i got layer i of the whole batch; at others it was left out).
+    layers = tuple(torch.arange(6.0).view(3, 2) + 10 * k for k in range(3))
+    rows = split_output({"hidden_states": layers}, 3)
+    assert rows[1] == {"hidden_states": ([2.0, 3.0], [12.0, 13.0], [22.0, 23.0])}
+    assert split_output({"hidden_states": tuple(t[:2] for t in layers)}, 2) == rows[:2]
+    nested = {"kv": [(torch.zeros(2, 1), torch.ones(2))]}  # nested alike
+    assert split_output(nested, 2) == [{"kv": (([0.0], 1.0),)}] * 2
     with pytest.raises(ValueError, match="to_output"):
         split_output(torch.zeros(3, 2), 2)
     with pytest.raises(ValueError, match="to_output"):

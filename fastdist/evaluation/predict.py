@@ -60,11 +60,12 @@ def predict(
 
     By default a batch's output becomes per-sample outputs like this: a tensor is split along
     dim 0 into Python lists (``output.tolist()``); a dict gives a dict per sample of its
-    per-sample entries (tensors and lists whose first dimension is the batch size; scalars
-    such as a batch loss are left out), and a tuple (several outputs, e.g. ``(logits,
-    hidden)``) a tuple per sample of them, alike; a list as long as the batch is taken as one
-    item per sample. ``to_output(output, batch)`` overrides this and must return one object
-    per sample of the batch.
+    per-sample entries (tensors whose first dimension is the batch size, and tuples or lists
+    of such tensors, e.g. per-layer ``hidden_states``, as a tuple per sample of their rows;
+    scalars such as a batch loss and other entries are left out), and a tuple (several
+    outputs, e.g. ``(logits, hidden)``) a tuple per sample of them, alike; any other list as
+    long as the batch is taken as one item per sample. ``to_output(output, batch)`` overrides
+    this and must return one object per sample of the batch.
 
     The spill directory is created by rank 0 in ``shared_dir`` (default: rank 0's temp dir,
     ``TMPDIR``) with owner-only permissions, checked up front to be visible from every rank,
@@ -210,8 +211,24 @@ def _column(key: Any, value: Any, n: int) -> list[Any] | None:
                 f"batch size {n}: pass to_output=fn(output, batch) returning one item per sample"
             )
         return value.detach().cpu().tolist()
-    if isinstance(value, (list, tuple)) and len(value) == n:
-        return [_plain(item) for item in value]
+    if isinstance(value, (list, tuple)):
+        rows = _rows(value, n)  # batch-first tensors: a model's per-layer hidden states, say
+        if rows is not None:
+            return rows
+        if len(value) == n:
+            return [_plain(item) for item in value]
+    return None
+
+
+def _rows(value: Any, n: int) -> list[Any] | None:
+    """Per-sample rows of a batch-first tensor, or per-sample tuples of the rows of a tuple or
+    list of them (nested alike), else ``None``."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist() if value.dim() and value.size(0) == n else None
+    if isinstance(value, (list, tuple)) and value:
+        parts = [_rows(item, n) for item in value]
+        if all(part is not None for part in parts):
+            return [tuple(part[i] for part in parts) for i in range(n)]  # type: ignore[index]
     return None
 
 
