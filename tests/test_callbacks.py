@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import sys
 from collections import namedtuple
 from pathlib import Path
@@ -182,6 +183,27 @@ def test_sys_exit_in_a_callback_is_reported_as_a_failure(caplog: pytest.LogCaptu
         trainer.train()
     assert "rank 0 raised SystemExit: 0\n  rank 0 (this rank): epoch 1, step 2" in caplog.text
     assert len(seen) == 1 and isinstance(seen[0], SystemExit)
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_a_damaged_best_model_file_is_named_when_it_is_loaded(tmp_path: Path) -> None:
+    """The best model's file cut short after its last write: ``load_best_model`` raises an
+    ``OSError`` naming it, on every rank alike (an audit: torch's "[Errno 22] Invalid
+    argument" on rank 0 alone, the others a lost peer)."""
+
+    def damage(trainer: Any) -> None:
+        if trainer.state.epoch == 2:  # after its evaluation, the last to write the best model
+            (best,) = tmp_path.glob("best_*")
+            best.write_bytes(best.read_bytes()[:100])
+
+    trainer = make_trainer(
+        64, n_epochs=2, save_path=str(tmp_path), dev_data=ToyData(8), metrics=AccuracyMetric(),
+        callbacks_master=[on("on_epoch_end", damage)],
+    )  # fmt: skip
+    best = re.escape(str(tmp_path / "best_")) + r"\S+"
+    with pytest.raises(OSError, match=rf"load_best_model: the best model {best} cannot be read"):
+        trainer.train()
+    assert trainer.state.epoch_complete and trainer.state.epoch == 2  # trained, checkpointed
 
 
 # ----- LRSchedulerCallback, GradientClipCallback, EarlyStopCallback, CallbackList -----

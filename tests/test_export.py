@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,18 @@ def test_export_names_the_file_it_cannot_read(
     assert code == 1
     assert f"{shard} is truncated or missing: {size // 2} bytes where the checkpoint's" in message
     assert "export an earlier checkpoint of its directory" in message
+    # A sharded checkpoint with no manifest beside it whose .metadata is cut short or empty,
+    # and a checkpoint file cut short anywhere (an audit: a traceback, and "[Errno 22] Invalid
+    # argument" naming no file).
+    lone = tmp_path / "lone" / "step-00000006"
+    shutil.copytree(shard.parent, lone)
+    for size in (20, 0):
+        os.truncate(lone / ".metadata", size)
+        code, message = export(lone, tmp_path / "m.pt", capsys)
+        assert code == 1 and f"{lone / '.metadata'} cannot be read (" in message, message
+    whole = checkpoints_of(tmp_path / "ddp") / "step-00000006.pt"
+    cut = tmp_path / "cut.pt"
+    for eighths in range(1, 8):
+        cut.write_bytes(whole.read_bytes()[: whole.stat().st_size * eighths // 8])
+        code, message = export(cut, tmp_path / "m.pt", capsys)
+        assert code == 1 and message.startswith(f"fastdist export: {cut} "), message

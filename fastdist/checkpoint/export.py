@@ -236,9 +236,9 @@ def _load(path: str) -> dict[str, Any]:
     """:func:`load_checkpoint`, with what torch cannot read as a one-line error naming it."""
     try:
         return load_checkpoint(path)
-    except (OSError, ValueError):  # a missing file, an incomplete sharded one: named already
-        raise
     except Exception as exc:  # a text file, a truncated one: torch's words vary and advise
+        if isinstance(exc, (OSError, ValueError)) and path in str(exc):
+            raise  # a missing file, an incomplete sharded one: named already
         # weights_only=False for what it cannot unpickle, which fastdist never needs
         detail = f"{type(exc).__name__}: {_first_line(exc)}"
         if isinstance(exc, pickle.UnpicklingError):
@@ -262,7 +262,13 @@ def _sharded_model(path: str) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(path).read_metadata()
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # truncated, empty: DCP's own error names no file
+        raise ValueError(
+            f"{os.path.join(path, '.metadata')} cannot be read ({type(exc).__name__}: "
+            f"{_first_line(exc)}); export an earlier checkpoint of its directory"
+        ) from exc
     _check_shard_sizes(path, metadata)
     model = {}
     for key, meta in metadata.state_dict_metadata.items():

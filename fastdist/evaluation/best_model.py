@@ -83,13 +83,22 @@ class BestModel:
             raise OSError(write_failure("the best model", path, weights, cause, fix)) from exc
 
     def load(self, is_master: bool) -> None:
-        """Rank 0 loads the best weights; every rank then holds them (a collective)."""
-        weights = None
-        if is_master and self.path is not None:
-            weights = read_model(self.path, model_class(self.strategy.model))
-        elif is_master:
-            weights = self._weights
-        self.strategy.load_full_state_dict(weights)
+        """Rank 0 loads the best weights; every rank then holds them (a collective). A file
+        that cannot be read raises the same ``OSError`` on every rank, naming it."""
+
+        def read() -> dict[str, Any] | None:
+            if not is_master or self.path is None:
+                return self._weights if is_master else None
+            try:
+                return read_model(self.path, model_class(self.strategy.model))
+            except Exception as exc:  # torch's and safetensors' words name no file
+                raise OSError(
+                    f"load_best_model: the best model {self.path} cannot be read "
+                    f"({type(exc).__name__}: {exc}); it was damaged or removed since it was "
+                    "written: the model keeps its last weights (the checkpoints are intact)"
+                ) from exc
+
+        self.strategy.load_full_state_dict(agreed(read, self.group))
 
     def state_dict(self) -> dict[str, Any]:
         return {"path": self.path, "weights": self._weights}
