@@ -4,6 +4,8 @@ checks of what a stream refuses."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -230,6 +232,47 @@ def test_a_stop_at_a_streams_last_update_completes_the_epoch_and_its_checkpoint(
         assert every2.train(resume=False)["steps"] == 8
     written = [r.getMessage().rsplit("-", 1)[1] for r in caplog.records if "written" in r.msg]
     assert written == ["00000002.pt", "00000004.pt", "00000006.pt", "00000008.pt"]
+
+
+class SigtermIn4thUpdate(Callback):
+    """SIGTERM to this process in update 4 (a pre-emption, agreed at its log step); records
+    the epoch of every micro-batch trained."""
+
+    def __init__(self) -> None:
+        self.epochs: list[int] = []
+
+    def on_batch_begin(self, batch: Any) -> None:
+        self.epochs.append(self.trainer.state.epoch)
+
+    def on_backward_end(self) -> None:
+        if self.trainer.state.global_step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_preemption_at_a_streams_last_update_resumes_at_the_next_epoch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pre-empted at the last update of an epoch of a stream with no state of its own: the
+    resumed run reads nothing more of that epoch (an audit: it trained the whole epoch again,
+    which it could not continue) and ends as one that never stopped."""
+    runs = []
+    for _ in range(2):
+        callback = SigtermIn4thUpdate()
+        trainer = _stream_trainer(
+            8, batch_size_per_gpu=2, n_epochs=2, print_every=1, save_path=str(tmp_path),
+            use_tqdm=False, callbacks_all=[callback],
+        )  # fmt: skip
+        runs.append((trainer, callback))
+    try:
+        with pytest.raises(SystemExit, match="143"):
+            runs[0][0].train()
+    finally:  # the pre-emption's exit leaves SIGTERM ignored, for a process that then ends
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert runs[0][1].epochs == [1] * 4
+    with caplog.at_level(logging.INFO, logger="fastdist"):
+        assert runs[1][0].train()["steps"] == 8
+    assert runs[1][1].epochs == [2] * 4  # epoch 1 not read again
+    assert "restarts from its start" not in caplog.text
 
 
 def test_stream_refuses_a_sampler() -> None:

@@ -131,7 +131,7 @@ class StreamBatches:
         """This rank's batches of the pass, with fillers; ``iter()`` of the loader runs now."""
         resume, self._resume = self._resume, None
         self.exhausted, self._read_last = resume is not None and resume["exhausted"], None
-        if resume is not None and self.last is None:  # its part may end before it reads one
+        if resume is not None and self.last is None and not resume.get("ended"):  # for fillers
             self.last = self._first_batch()
         if resume is not None and not self.exhausted:
             self.loader.load_state_dict(resume["loader"])
@@ -269,7 +269,11 @@ class StreamBatches:
 
     def state_dict(self) -> dict[str, Any] | None:
         """This rank's loader position after the last window yielded (a stateful stream: the
-        batches read ahead are not behind it), else ``None``."""
+        batches read ahead are not behind it), else ``None``; where the pass is known to end
+        there (the agreement, waited for), that it ended: a resume there reads nothing more,
+        whatever the stream or the number of processes."""
+        if self.ends_pass(len(self.weights), wait=True):
+            return {"loader": None, "exhausted": True, "workers": self.num_workers, "ended": True}
         return self._state
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -277,14 +281,21 @@ class StreamBatches:
         self._saved, self._unsaved_why = state, None
 
     def load_resized(self, states: list[Any]) -> None:
-        """Positions of another world size cannot continue: the epoch will restart."""
-        self._saved = None
-        self._unsaved_why = "the checkpoint was written by a different number of processes"
+        """Positions of another world size cannot continue (the epoch will restart), but for
+        the pass's end."""
+        ended = all(state is not None and state.get("ended") for state in states)
+        self._saved = states[0] if ended else None
+        self._unsaved_why = (
+            None if ended else "the checkpoint was written by a different number of processes"
+        )
 
     def resume_at(self, samples: int, batches: int) -> tuple[int, int]:
         """Continue the interrupted pass from the saved position if it allows; else warn and
         restart the epoch from its start."""
         state, why = self._saved, self._unsaved_why
+        if state is not None and state.get("ended"):  # nothing is left to read, on any rank
+            self._resume = state
+            return samples, batches
         if not self.stateful:
             why = "it has no state_dict()/load_state_dict() to save its position"
         elif state is not None and state["workers"] != self.num_workers:
