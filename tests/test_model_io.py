@@ -56,7 +56,7 @@ def test_save_model_and_predict_on_rank_zero_only_raise_naming_the_cause(
     assert 5 <= busy["seconds"] < 6
     for call, name in [
         ("ended", "save_model"), ("predict", "predict"), ("evaluate", "evaluate"),
-        ("barrier", "barrier"),  # before: passed, paired with the barrier of rank 1's exit
+        ("barrier", "fastdist.barrier"),  # passed, paired with the barrier of rank 1's exit
     ]:  # fmt: skip
         error = rank0[call]["error"]  # rank 1's script ended: no wait for the timeout
         assert error.startswith(f"RuntimeError: {name} must be called on every rank, "), call

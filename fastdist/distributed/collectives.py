@@ -40,7 +40,7 @@ def barrier() -> None:
     after the group's timeout."""
     if _several_processes():
         store: Any = dist.distributed_c10d._get_default_store()  # its timeout: the group's
-        enter_on_every_rank("barrier", store.timeout.total_seconds())  # not a peer's exit
+        enter_on_every_rank("fastdist.barrier", store.timeout.total_seconds())  # not a peer's exit
         dist.barrier()
 
 

@@ -82,22 +82,39 @@ def _refuser(owner: Any, gate: str) -> Any:
     original = vars(owner)[gate]
 
     def refused(*args: Any, **kwargs: Any) -> Any:
-        if not _thread or threading.get_ident() != _thread[-1]:
+        if not _guarded():
             return original(*args, **kwargs)
-        called = f"{_where[-1]} called torch.distributed.{_entry_point(gate)}() on rank 0 only"
-        if _where[-1].startswith(BACKEND):
-            raise CollectiveInMasterCallbackError(
-                f"{called}: logging backends run on rank 0 alone and must not call "
-                "collectives (the other ranks would never join)"
-            )
-        raise CollectiveInMasterCallbackError(
-            f"{called}: callbacks_master run on rank 0 alone, so the other ranks would never "
-            "join. Move this callback to callbacks_all so every rank takes part, or keep its "
-            "rank-0 work free of collectives (e.g. a @rank_zero_only function called from "
-            "callbacks_all)."
-        )
+        raise _refusal(f"torch.distributed.{_entry_point(gate)}()")
 
     return refused
+
+
+def _guarded() -> bool:
+    """Whether this thread runs a guarded block."""
+    return bool(_thread) and threading.get_ident() == _thread[-1]
+
+
+def _refusal(function: str) -> CollectiveInMasterCallbackError:
+    """The error of a guarded block that called ``function``, a collective."""
+    called = f"{_where[-1]} called {function} on rank 0 only"
+    if _where[-1].startswith(BACKEND):
+        return CollectiveInMasterCallbackError(
+            f"{called}: logging backends run on rank 0 alone and must not call "
+            "collectives (the other ranks would never join)"
+        )
+    return CollectiveInMasterCallbackError(
+        f"{called}: callbacks_master run on rank 0 alone, so the other ranks would never "
+        "join. Move this callback to callbacks_all so every rank takes part, or keep its "
+        "rank-0 work free of collectives (e.g. a @rank_zero_only function called from "
+        "callbacks_all)."
+    )
+
+
+def refuse_if_guarded(function: str) -> None:
+    """Raise what a collective would in a guarded block of this thread: for a call that waits
+    for the other ranks in the store before its first collective (``fastdist.barrier()``)."""
+    if _guarded():
+        raise _refusal(function)
 
 
 _REFUSERS = {(owner, name): _refuser(owner, name) for owner, name in _GATES}

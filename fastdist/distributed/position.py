@@ -22,6 +22,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from fastdist.distributed.bounded import STORE_WAIT_S, within
 from fastdist.distributed.env import EXITED_COUNT, EXITING, get_rank, get_world_size
+from fastdist.distributed.guard import refuse_if_guarded
 
 _KEY = "fastdist/position/{}"
 _ENTERED = "fastdist/entered/{}/{}"  # a call's name and its number on each rank; one count
@@ -178,6 +179,7 @@ def enter_on_every_rank(call: str, timeout: float | None) -> None:
     world = get_world_size()
     if world == 1 or not dist.is_initialized():
         return
+    refuse_if_guarded(f"{call}()")  # in callbacks_master: at once, not after the timeout
     number = _calls[call]
     _calls[call] += 1
     board = PositionBoard(get_rank(), world)  # to read where the others are
