@@ -180,8 +180,14 @@ def test_split_output() -> None:
     rows = split_output({"hidden_states": layers}, 3)
     assert rows[1] == {"hidden_states": ([2.0, 3.0], [12.0, 13.0], [22.0, 23.0])}
     assert split_output({"hidden_states": tuple(t[:2] for t in layers)}, 2) == rows[:2]
-    nested = {"kv": [(torch.zeros(2, 1), torch.ones(2))]}  # nested alike
+    nested = {"kv": ((torch.zeros(2, 1), torch.ones(2)),)}  # nested alike
     assert split_output(nested, 2) == [{"kv": (([0.0], 1.0),)}] * 2
+    # A list as long as the batch is an item per sample, whatever its items' shapes (a second
+    # audit: per-sample tensors of 3 rows in batches of 3 were split as rows; one sample's list
+    # came back as a tuple).
+    own = [torch.full((3, 2), float(i)) for i in range(3)]
+    assert split_output({"per": own}, 3)[1] == {"per": [[1.0, 1.0]] * 3}
+    assert split_output({"per": own[:1]}, 1) == [{"per": [[0.0, 0.0]] * 3}]
     with pytest.raises(ValueError, match="to_output"):
         split_output(torch.zeros(3, 2), 2)
     with pytest.raises(ValueError, match="to_output"):

@@ -60,12 +60,16 @@ def predict(
 
     By default a batch's output becomes per-sample outputs like this: a tensor is split along
     dim 0 into Python lists (``output.tolist()``); a dict gives a dict per sample of its
-    per-sample entries (tensors whose first dimension is the batch size, and tuples or lists
-    of such tensors, e.g. per-layer ``hidden_states``, as a tuple per sample of their rows;
-    scalars such as a batch loss and other entries are left out), and a tuple (several
-    outputs, e.g. ``(logits, hidden)``) a tuple per sample of them, alike; any other list as
-    long as the batch is taken as one item per sample. ``to_output(output, batch)`` overrides
-    this and must return one object per sample of the batch.
+    per-sample entries: tensors whose first dimension is the batch size (another tensor with
+    dimensions raises: pass ``to_output``), lists as long as the batch (an item each), and
+    tuples (or other lists) of batch-first tensors, such as a ``ModelOutput``'s per-layer
+    ``hidden_states`` (a tuple of rows each: return per-layer tensors in a tuple, since a list
+    as long as the batch is taken item by item); scalar tensors such as a batch loss, and
+    other values, are left out.
+    A tuple output (several outputs, e.g. ``(logits, hidden)``) gives a tuple per sample of
+    them, alike; a list output as long as the batch, an item per sample.
+    ``to_output(output, batch)`` overrides this and must return one object per sample of the
+    batch.
 
     The spill directory is created by rank 0 in ``shared_dir`` (default: rank 0's temp dir,
     ``TMPDIR``) with owner-only permissions, checked up front to be visible from every rank,
@@ -211,8 +215,10 @@ def _column(key: Any, value: Any, n: int) -> list[Any] | None:
                 f"batch size {n}: pass to_output=fn(output, batch) returning one item per sample"
             )
         return value.detach().cpu().tolist()
-    if isinstance(value, (list, tuple)):
-        rows = _rows(value, n)  # batch-first tensors: a model's per-layer hidden states, say
+    if isinstance(value, list) and len(value) == n:  # an item per sample
+        return [_plain(item) for item in value]
+    if isinstance(value, (list, tuple)):  # a tuple of batch-first tensors: hidden states, say
+        rows = _rows(value, n)
         if rows is not None:
             return rows
         if len(value) == n:
