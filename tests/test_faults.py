@@ -502,6 +502,19 @@ def test_a_hang_answer_dumps_the_flight_recorder_once_and_says_where_it_could_no
         fr = json.loads((files / "rank0.fr.json").read_text())
         assert fr == json.loads(json.dumps(dumps[0], default=str))
         assert json.loads((files / "rank0.json").read_text())["position"] == "epoch 1, step 2"
+        # A failure's record stays in the store for the others; a new run in the process (a
+        # second train() after a caught failure) writes its own failure anew and withdraws
+        # the old record (an audit: the files and the CLI kept showing the first failure).
+        watch.directory = str(files)
+        hang.note_failure(ValueError("the first run's"))
+        assert store.check(["fastdist/hang/failed/0"]) and watch.written
+        watch.renew(str(files), lambda: "epoch 1, step 5")
+        assert not store.check(["fastdist/hang/failed/0"]) and watch.failure is None
+        hang.note_failure(KeyError("the second run's"))
+        assert (
+            json.loads((files / "rank0.json").read_text())["error"]
+            == 'KeyError: "the second run\'s"'
+        )
     finally:
         dist.destroy_process_group()
 

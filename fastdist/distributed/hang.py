@@ -152,6 +152,14 @@ class _Watch:
         answer = dict(record, dump_error=self.dump_error)
         store.set(_ANSWER.format(number, self.rank), json.dumps(answer))
 
+    def renew(self, directory: str | None, position: Any) -> None:
+        """For a new run in this process: its directory and position; its first failure is
+        written anew, and the run before's failure no longer stands in for this rank."""
+        self.directory, self.position = directory, position
+        self.failure, self.written, self.dump_error = None, False, None
+        with contextlib.suppress(Exception):  # the store's host may be out of reach
+            within(STORE_WAIT_S, lambda: self.store.delete_key(_FAILED.format(self.rank)))
+
     def write(self, record: dict[str, Any], recorded: dict[str, Any]) -> None:
         """Write this rank's files (``recorded``: the flight recorder's dump), unless this
         process wrote them already; note why they could not be written."""
@@ -178,13 +186,14 @@ def dump_dir(save_path: str | None) -> str | None:
 
 
 def watch(rank: int, directory: str | None, position: Any) -> None:
-    """Answer requests for this rank's record (from now on; once per process, later calls
-    change the directory and the position, a callable returning a description)."""
+    """Answer requests for this rank's record (from now on; once per process, later calls,
+    a new run's, change the directory and the position, a callable returning a description,
+    and forget the failure of the run before)."""
     global _watch
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     if _watch is not None:
-        _watch.directory, _watch.position = directory, position
+        _watch.renew(directory, position)
         return
     store = dist.distributed_c10d._get_default_store()
     _watch = _Watch(store, rank, directory, position)
