@@ -95,7 +95,9 @@ def test_exception_on_one_rank_stops_all_with_one_tagged_traceback(tmp_path: Pat
     assert output.count('in forward\n    raise ValueError("boom in forward on purpose")') == 1
     assert "rank 1 (this rank): epoch 1, step 2, phase train" in output  # 3rd forward
     # Rank 0's hang report gives rank 1's record of its failure, which rank 1 left in the store
-    # before it exited (an audit: "no record (dead, or not answering)", and not its line).
+    # before it exited (an audit: "no record (dead, or not answering)", and not its line), and
+    # is logged whole although torchrun's SIGTERM killed rank 0's DataLoader worker meanwhile
+    # (an audit: the worker's death raised in rank 0 and cut the report short).
     clock = r"\d\d:\d\d:\d\d\.\d"
     failed = rf"  rank 1 \(at {clock}\): FAILED with ValueError: boom in forward on purpose\n"
     line = re.escape(_worker_line('raise ValueError("boom in forward on purpose")'))

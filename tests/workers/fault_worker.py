@@ -162,6 +162,13 @@ def main(case: str, out: Path) -> None:
         check_sync_every=1 if case in ("master_edit_weight", "nan_skip") else 0,
         sampler=FirstRanksLonger(get_rank()) if case == "uneven" else None,
         save_path=str(out / "save") if case == "timeout" else None,  # the hang dumps' home
+        # a DataLoader worker process of rank 0's own (spawned: a forked one may hang, see
+        # fastdist.data.workers), which torchrun's SIGTERM kills while rank 0 reports
+        **(
+            {"num_workers": 1, "multiprocessing_context": "spawn"}
+            if case == "raise_forward"
+            else {}
+        ),
     )
     if case == "raise_caught":  # the script catches rank 1's error and exits on its own
         try:
