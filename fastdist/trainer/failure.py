@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import sys
-import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -43,23 +40,9 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
     the store is bounded: its host may be cut off from this rank. A SIGTERM (torchrun's, once
     a rank died) waits until the report is logged (:func:`sigterm_deferred`, a few seconds).
     """
-    with sigterm_deferred() as stopping, _worker_deaths_ignored():
+    with sigterm_deferred() as stopping:
         _report(exc, board, timeout, stopping)
         exc.fastdist_reported = True  # type: ignore[attr-defined]
-
-
-@contextlib.contextmanager
-def _worker_deaths_ignored() -> Iterator[None]:
-    """Keep the DataLoader's SIGCHLD handler (it raises in the main thread when a worker
-    process died: torchrun's SIGTERM kills them) from cutting the report short."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL if previous is None else previous)
 
 
 def _report(

@@ -107,16 +107,19 @@ def sigterm_deferred() -> Iterator[Callable[[], bool]]:
     """Hold a SIGTERM back while the block runs (the failure report: torchrun sends one to the
     other ranks as soon as one died), then deliver it to the handler that was in place: by
     default it ends the process, as it would have. Not a ``SystemExit``, which a script may
-    take for a pre-emption. It gives the block whether a SIGTERM came. Outside the main thread
-    it holds nothing back."""
+    take for a pre-emption. It gives the block whether a SIGTERM came. SIGCHLD is ignored
+    meanwhile: the DataLoader's handler raises in the main thread when a worker process died,
+    and the SIGTERM kills them. Outside the main thread it holds nothing back."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield lambda: False
         return
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    children = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
         yield lambda: bool(received)
     finally:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL if children is None else children)
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         if received:
             sys.stdout.flush()
