@@ -215,14 +215,14 @@ def _column(key: Any, value: Any, n: int) -> list[Any] | None:
                 f"batch size {n}: pass to_output=fn(output, batch) returning one item per sample"
             )
         return value.detach().cpu().tolist()
-    if isinstance(value, list) and len(value) == n:  # an item per sample
-        return [_plain(item) for item in value]
-    if isinstance(value, (list, tuple)):  # a tuple of batch-first tensors: hidden states, say
-        rows = _rows(value, n)
-        if rows is not None:
-            return rows
-        if len(value) == n:
-            return [_plain(item) for item in value]
+    if isinstance(value, (list, tuple)):
+        # A tuple of batch-first tensors (hidden states, say) gives rows; a list as long as
+        # the batch is an item per sample, whatever its items.
+        each = len(value) == n
+        rows = None if each and isinstance(value, list) else _rows(value, n)
+        if rows is None and each:
+            rows = [_plain(item) for item in value]
+        return rows
     return None
 
 
