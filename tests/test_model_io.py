@@ -54,6 +54,10 @@ def test_save_model_and_predict_on_rank_zero_only_raise_naming_the_cause(
     assert busy["error"].startswith("RuntimeError: save_model must be called on every rank, ")
     assert "(5 s passed; rank 1: epoch 2, step 6, phase finished): call it" in busy["error"]
     assert 5 <= busy["seconds"] < 6
+    busy_predict = rank0["busy_predict"]  # the group's timeout, not torch's 30 minutes
+    assert busy_predict["error"].startswith("RuntimeError: predict must be called on every rank")
+    assert "(5 s passed; rank 1: " in busy_predict["error"]
+    assert 5 <= busy_predict["seconds"] < 6
     for call, name in [
         ("ended", "save_model"), ("predict", "predict"), ("evaluate", "evaluate"),
         ("barrier", "fastdist.barrier"),  # passed, paired with the barrier of rank 1's exit

@@ -18,7 +18,6 @@ import time
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
 
 from fastdist.distributed.bounded import STORE_WAIT_S, within
 from fastdist.distributed.env import EXITED_COUNT, EXITING, get_rank, get_world_size
@@ -173,8 +172,8 @@ def enter_on_every_rank(call: str, timeout: float | None) -> None:
 
     The ranks count their entries in the rendezvous store. Where one is not coming, this
     raises instead of a collective that would wait for it: at once if some rank is exiting
-    (its script ended), else after ``timeout`` seconds (``None``: torch's default, 30 minutes),
-    naming the ranks missing and where they last were.
+    (its script ended), else after ``timeout`` seconds (``None``: the group's timeout, which
+    its rendezvous store holds), naming the ranks missing and where they last were.
     """
     world = get_world_size()
     if world == 1 or not dist.is_initialized():
@@ -186,7 +185,7 @@ def enter_on_every_rank(call: str, timeout: float | None) -> None:
     store, key = _default_store(), _ENTERED.format(call, number)
     store.set(f"{key}/{board.rank}", "")
     count = store.add(key, 1)
-    limit = timeout if timeout is not None else default_pg_timeout.total_seconds()
+    limit = timeout if timeout is not None else store.timeout.total_seconds()
     start, pause = time.monotonic(), 0.001
     while count < world:
         if store.add(EXITED_COUNT, 0) or time.monotonic() - start > limit:

@@ -52,11 +52,11 @@ def predict(
     """Run ``model`` over ``data`` on every rank; rank 0 gets the outputs in dataset order.
 
     Call it on every rank (where one does not, the others raise: at once if its script ended,
-    else after torch's default timeout). Each rank predicts its shard in eval mode under
+    else after the process group's timeout). Each rank predicts its shard in eval mode under
     ``torch.no_grad()`` (a ``DistributedDataParallel`` model is unwrapped first) and streams
-    each sample's output
-    to ``<shared_dir>/fastdist-predict-XXXX/rank<r>.*``; rank 0 then merges the files in
-    dataset order. Every sample is predicted exactly once, whatever the world size.
+    each sample's output to ``<shared_dir>/fastdist-predict-XXXX/rank<r>.*``; rank 0 then
+    merges the files in dataset order. Every sample is predicted exactly once, whatever the
+    world size.
 
     By default a batch's output becomes per-sample outputs like this: a tensor is split along
     dim 0 into Python lists (``output.tolist()``); a dict gives a dict per sample of its

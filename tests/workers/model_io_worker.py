@@ -78,7 +78,8 @@ def timed(call: Callable[[], Any]) -> dict[str, Any]:
 
 
 def rank_zero_only(out: Path) -> dict[str, Any]:
-    """Rank 0 calls save_model while rank 1 sleeps (the wait runs out: 5 s), then save_model,
+    """Rank 0 calls save_model and ``fastdist.predict`` while rank 1 sleeps (each wait runs
+    out: the trainer's timeout, 5 s, which the group holds), then save_model,
     ``trainer.predict``, ``trainer.evaluate``, ``fastdist.predict`` and ``fastdist.barrier``
     once rank 1's script has ended."""
     run = trainer("fsdp", 4, timeout=5)
@@ -86,13 +87,14 @@ def rank_zero_only(out: Path) -> dict[str, Any]:
     result: dict[str, Any] = {}
     if get_rank() == 0:
         result["busy"] = timed(lambda: run.save_model(out / "busy.pt"))
+        result["busy_predict"] = timed(lambda: fastdist.predict(run.model, ToyData(8)))
         result["ended"] = timed(lambda: run.save_model(out / "ended.pt"))
         result["predict"] = timed(lambda: run.predict(ToyData(8)))
         result["evaluate"] = timed(lambda: run.evaluate())
         result["fastdist.predict"] = timed(lambda: fastdist.predict(run.model, ToyData(8)))
         result["barrier"] = timed(fastdist.barrier)  # not passed by rank 1's exit barrier
     else:
-        time.sleep(7)  # then the script ends: the exit handler tells rank 0
+        time.sleep(12)  # then the script ends: the exit handler tells rank 0
     return result
 
 
