@@ -23,10 +23,12 @@ def describe(value: object) -> str:
     return shown
 
 
-def check_int(name: str, value: object, minimum: int) -> None:
-    """Raise ``ValueError`` unless ``value`` is an integer (not a bool) ``>= minimum``."""
+def check_int(name: str, value: object, minimum: int, fix: str = "") -> None:
+    """Raise ``ValueError`` unless ``value`` is an integer (not a bool) ``>= minimum``; the
+    message ends with ``fix`` if given."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {describe(value)}")
+        end = f": {fix}" if fix else ""
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {describe(value)}{end}")
 
 
 def check_number(name: str, value: object, minimum: float, inclusive: bool = True) -> None:

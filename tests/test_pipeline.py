@@ -82,7 +82,7 @@ class Mixed(Tagger):
             "schedule must be one of 'gpipe', '1f1b', 'interleaved",
         ),
         (lambda: Pipeline(schedule="interleaved-1f1b", split=["blocks.2"]), "(2 per rank), got 1"),
-        (lambda: Pipeline(stages=1), "stages must be an integer >= 2"),
+        (lambda: Pipeline(stages=1), "got 1: ranks per pipeline, one stage each (DDP() or"),
         (
             lambda: Pipeline(stages=3, split=["blocks.2"]),
             "2 name(s) for stages=3 (1 per rank), got 1",
@@ -133,7 +133,16 @@ class Mixed(Tagger):
             "or use Pipeline(stages=2, stage_strategy=FSDP(tp=2, ...)) or Pipeline(stages=2) or "
             "Pipeline(stages=4), which fit 4",
         ),
-        (lambda: plan_stages(Flat(), 2, None), "put its layers in an nn.ModuleList"),
+        (  # no list of blocks: a fix that works, whether split is given or not
+            lambda: plan_stages(Flat(), 2, None),
+            "Pipeline(split=None) cuts a model between the blocks of one nn.ModuleList (or "
+            "nn.ModuleDict) that its forward runs in order, but Flat holds none: put its "
+            "repeated layers in one",
+        ),
+        (
+            lambda: plan_stages(Flat(), 2, ["b"]),
+            "Pipeline(split=['b']) cuts a model between the blocks of one nn.ModuleList",
+        ),
         (
             lambda: plan_stages(Mixed(), 2, None),
             "Mixed's blocks holds blocks of 2 classes (Block, Linear): pass split=['blocks.2']",

@@ -104,7 +104,12 @@ class Pipeline(Strategy):
         split: list[str] | None = None,
         stage_strategy: Strategy | None = None,
     ) -> None:
-        check_int("stages", stages, minimum=2)
+        check_int(
+            "stages",
+            stages,
+            2,
+            "ranks per pipeline, one stage each (DDP() or FSDP() train a model that is not cut)",
+        )
         check_choice("schedule", schedule, ("gpipe", "1f1b", "interleaved-1f1b"))
         self.per_rank = LOOPED if schedule == "interleaved-1f1b" else 1
         self.cuts = stages * self.per_rank  # the model's stages

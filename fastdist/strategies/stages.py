@@ -141,11 +141,7 @@ def plan_stages(model: nn.Module, stages: int, split: list[str] | None) -> Stage
     if split is None:
         if not found:
             _refuse_mixed(model, stages)
-            raise ValueError(
-                f"Pipeline(split=None) splits the model's repeated blocks evenly, but {cls} "
-                "holds none: put its layers in an nn.ModuleList (or nn.ModuleDict), or pass "
-                "split=['name.of.a.module', ...] naming where each stage after the first starts"
-            )
+            raise ValueError(_no_blocks("split=None", cls))
         container, blocks = max(found, key=lambda item: len(item[1]))
         if len(blocks) < stages:
             raise TooFewBlocks(
@@ -189,10 +185,22 @@ def _cut_at(model: nn.Module, found: list[tuple[str, list[str]]], split: list[st
             cuts = [0] + [blocks.index(name) for name in split] + [len(blocks)]
             if all(a < b for a, b in itertools.pairwise(cuts)):
                 return _plan(model, container, [blocks[a:b] for a, b in itertools.pairwise(cuts)])
+    if not module_lists(model):
+        raise ValueError(_no_blocks(f"split={split}", type(model).__name__))
     shown = "; ".join(f"{c}: {blocks[0]} ... {blocks[-1]}" for c, blocks in found) or "none"
     raise ValueError(
         f"Pipeline(split={split}) must name blocks of one nn.ModuleList/ModuleDict, in order, "
         f"after its first block (each the first block of a stage); the model's blocks: {shown}"
+    )
+
+
+def _no_blocks(given: str, cls: str) -> str:
+    """Why a model with no list of blocks cannot be cut (``given``: the ``split`` argument)."""
+    return (
+        f"Pipeline({given}) cuts a model between the blocks of one nn.ModuleList (or "
+        f"nn.ModuleDict) that its forward runs in order, but {cls} holds none: put its "
+        "repeated layers in one, then split=None cuts them evenly (or split=['blocks.4', ...] "
+        "names the first block of each stage after the first)"
     )
 
 
