@@ -279,7 +279,8 @@ def test_a_stop_is_logged_once(world: World) -> None:
 
 @pytest.mark.parametrize("mode", ["file", "memory"])
 def test_best_model(world: World, mode: str) -> None:
-    """Scores 0.2, 0.9, 0.5: the epoch-2 weights are kept and loaded back on every rank."""
+    """Scores 0.2, 0.9, 0.5 (file) and NaN, 0.9, 0.5 (memory): the epoch-2 weights are kept
+    and loaded back on every rank."""
     runs = [data["best"][mode] for data in world.ranks]
     result = _same_on_every_rank(world, [run["result"] for run in runs])
     steps_per_epoch = runs[0]["total_steps"] // 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -56,7 +57,15 @@ class Validator:
         rank: a sharded model is gathered). Return whether it is."""
         value = result[self.metric_key]
         best = None if state.best_eval is None else state.best_eval[self.metric_key]
-        is_better = best is None or (value > best if self.larger_better else value < best)
+        if math.isnan(value):  # no model scoring NaN is kept, and none is worse than it
+            logger.warning(
+                "%s is NaN at step %d: not kept as the best", self.metric_key, state.global_step
+            )
+            is_better = False
+        elif best is None or math.isnan(best):
+            is_better = True
+        else:
+            is_better = value > best if self.larger_better else value < best
         state.eval_result = result
         if is_better:
             state.best_eval, state.best_epoch = result, state.epoch

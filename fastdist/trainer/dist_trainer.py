@@ -51,7 +51,7 @@ class DistTrainer:
         metrics: a :class:`~fastdist.metrics.Metric`, a ``torchmetrics.Metric``, or a list
             or ``{key: metric}`` dict of them.
         metric_key: the result key that picks the best model; ``"-loss"`` means lower is
-            better; default: the first key of the first metric.
+            better (a NaN value is never the best); default: the first key of the first metric.
         update_every: micro-batches per optimizer update (gradient accumulation).
         print_every: updates between logged losses (also when stop requests are agreed and
             the losses are checked for NaN/Inf).

@@ -539,8 +539,8 @@ class ScheduleMetric(Metric):
         return {"score": self.scores[self.calls - 1]}
 
 
-def _best_run(save_path: str | None) -> dict[str, Any]:
-    """Scores 0.2, 0.9, 0.5 over 3 epochs: epoch 2 is best and must be loaded at the end."""
+def _best_run(save_path: str | None, scores: list[float]) -> dict[str, Any]:
+    """``scores`` over 3 epochs: epoch 2 is best and must be loaded at the end."""
     snapshots: dict[str, list[float]] = {}
 
     def snapshot_best(trainer: DistTrainer, result: Any, key: str, better: bool) -> None:
@@ -554,7 +554,7 @@ def _best_run(save_path: str | None) -> dict[str, Any]:
         32,
         n_epochs=3,
         dev_data=ToyData(20, seed=1),
-        metrics=ScheduleMetric([0.2, 0.9, 0.5]),
+        metrics=ScheduleMetric(scores),
         save_path=save_path,
         load_best_model=True,
         callbacks_all=[on("on_valid_end", snapshot_best), on("on_train_end", snapshot_last)],
@@ -571,10 +571,11 @@ def _best_run(save_path: str | None) -> dict[str, Any]:
 
 
 def case_best(out: Path) -> dict[str, Any]:
-    """The best model kept in a file under a per-rank save_path, then in memory."""
+    """The best model kept in a file under a per-rank save_path, then in memory (a NaN score
+    first: never the best)."""
     return {
-        "file": _best_run(str(out / f"save-rank{get_rank()}")),
-        "memory": _best_run(None),
+        "file": _best_run(str(out / f"save-rank{get_rank()}"), [0.2, 0.9, 0.5]),
+        "memory": _best_run(None, [float("nan"), 0.9, 0.5]),
     }
 
 
