@@ -82,7 +82,7 @@ class Mixed(Tagger):
             "schedule must be one of 'gpipe', '1f1b', 'interleaved",
         ),
         (lambda: Pipeline(schedule="interleaved-1f1b", split=["blocks.2"]), "(2 per rank), got 1"),
-        (lambda: Pipeline(stages=1), "got 1: ranks per pipeline, one stage each (DDP() or"),
+        (lambda: Pipeline(stages=1), "got 1: a rank per stage; a model not cut: DDP() or FSDP()"),
         (
             lambda: Pipeline(stages=3, split=["blocks.2"]),
             "2 name(s) for stages=3 (1 per rank), got 1",

@@ -104,12 +104,7 @@ class Pipeline(Strategy):
         split: list[str] | None = None,
         stage_strategy: Strategy | None = None,
     ) -> None:
-        check_int(
-            "stages",
-            stages,
-            2,
-            "ranks per pipeline, one stage each (DDP() or FSDP() train a model that is not cut)",
-        )
+        check_int("stages", stages, 2, "a rank per stage; a model not cut: DDP() or FSDP()")
         check_choice("schedule", schedule, ("gpipe", "1f1b", "interleaved-1f1b"))
         self.per_rank = LOOPED if schedule == "interleaved-1f1b" else 1
         self.cuts = stages * self.per_rank  # the model's stages
