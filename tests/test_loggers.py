@@ -427,6 +427,24 @@ def test_a_plain_resume_of_a_superseded_run_continues_its_successor(store: Path)
 
 
 @pytest.mark.usefixtures("no_dist_env")
+def test_the_run_log_is_written_beside_a_json_logger_of_another_path(tmp_path: Path) -> None:
+    """save_path/log.jsonl is the run's own record: a JsonLogger elsewhere does not replace
+    it, and one given that path writes it once."""
+    save, extra = tmp_path / "save", tmp_path / "elsewhere" / "extra.jsonl"
+    make_trainer(RunLogCallback([]), loggers=[JsonLogger(extra)], save_path=str(save)).train()
+    records = [json.loads(line) for line in (save / "log.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records].count("train") == 3  # 6 updates, print_every=2
+    assert extra.read_text() != "" and len(extra.read_text().splitlines()) == len(records)
+    other = tmp_path / "other"
+    trainer = make_trainer(
+        RunLogCallback([JsonLogger(other / "log.jsonl")]), n_epochs=1, save_path=str(other)
+    )
+    trainer.train()
+    kinds = [json.loads(line)["kind"] for line in (other / "log.jsonl").read_text().splitlines()]
+    assert kinds.count("start") == 1 and kinds.count("end") == 1, kinds
+
+
+@pytest.mark.usefixtures("no_dist_env")
 @pytest.mark.parametrize(
     "loggers",
     [

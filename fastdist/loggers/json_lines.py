@@ -66,3 +66,13 @@ class JsonLogger(Logger):
         if self.file is not None:
             self.file.close()
             self.file = None
+
+
+def writes_run_log(backends: list[Logger], save_path: str) -> bool:
+    """Whether one of ``backends`` is a :class:`JsonLogger` writing the run's own log,
+    ``save_path/log.jsonl`` (another path does not: that file is still written)."""
+    run = RunContext(save_path, 0)
+    log = os.path.realpath(JsonLogger().destination(run))
+    return any(
+        isinstance(b, JsonLogger) and os.path.realpath(b.destination(run)) == log for b in backends
+    )

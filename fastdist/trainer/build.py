@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch import nn
 
 from fastdist.callbacks.callback import CallbackList
-from fastdist.callbacks.json_log import JSONLogCallback
 from fastdist.callbacks.run_log import RunLogCallback
 from fastdist.checkpoint import PER_RANK, Checkpointer, RandomState
 from fastdist.checkpoint.background import Background
@@ -44,6 +43,7 @@ from fastdist.evaluation.best_model import BestModel
 from fastdist.evaluation.evaluator import Evaluator
 from fastdist.evaluation.validator import Validator
 from fastdist.loggers import JsonLogger
+from fastdist.loggers.json_lines import writes_run_log
 from fastdist.logging import logger
 from fastdist.state import TrainerState
 from fastdist.strategies import DataShard, Strategy, Topology
@@ -284,13 +284,12 @@ def _validator(args: Arguments, strategy: Strategy, forward: Any, world: World) 
 
 def _callbacks(args: Arguments, is_master: bool) -> CallbackList:
     """The callback lists, the loggers' component last; with a ``save_path``, a JSON log of the
-    run (``log.jsonl``) unless one is given."""
+    run (``log.jsonl``) unless a given logger writes it."""
     master, loggers = list(args.callbacks_master), list(args.loggers)
+    save_path = args.options.save_path
     given = args.callbacks_all + master
-    has_json = any(isinstance(b, JsonLogger) for b in loggers) or any(
-        isinstance(cb, JSONLogCallback) for cb in given
-    )
-    if args.options.save_path and not has_json:
+    held = [b for cb in given if isinstance(cb, RunLogCallback) for b in cb.log.backends]
+    if save_path and not writes_run_log([*loggers, *held], save_path):
         loggers.append(JsonLogger())  # the run's record: save_path/log.jsonl
     if loggers:
         master.append(RunLogCallback(loggers, state_key="loggers"))
