@@ -49,6 +49,9 @@ class TrainerState:
             evaluation, a checkpoint or the epoch's end follows it): see
             :meth:`~fastdist.trainer.loop.Loop.log_step`.
         loss_step: the log step (update) ``loss`` belongs to.
+        unread_loss: in a checkpoint, the training loss's sum and count over every rank's
+            updates after the last log step (``None`` elsewhere): a resumed run's first
+            logged loss covers them too, as the run's would have.
         eval_result: the latest evaluation result, e.g. ``{"acc": 0.93}``.
         best_eval: the best evaluation result so far, with ``best_epoch`` and ``best_step``.
         stop_requested: set by :meth:`DistTrainer.request_stop`; agreed across ranks at the next
@@ -80,6 +83,7 @@ class TrainerState:
     is_filler: bool = False
     loss: float | None = None
     loss_step: int | None = None
+    unread_loss: list[float] | None = None
     eval_result: dict[str, float] | None = None
     best_eval: dict[str, float] | None = None
     best_epoch: int | None = None

@@ -168,12 +168,25 @@ def kill(out: Path, case: str) -> None:
     assert manifest_steps(out, config)[-1] == resume_step, case
 
 
+def logged_losses(directory: Path) -> dict[int, float]:
+    """The training losses ``log.jsonl`` holds by step, of the last attempt (the records after
+    its last ``start``)."""
+    records = [json.loads(line) for line in (directory / "log.jsonl").read_text().splitlines()]
+    starts = [i for i, record in enumerate(records) if record["kind"] == "start"]
+    return {r["step"]: r["loss"] for r in records[starts[-1] :] if r["kind"] == "train"}
+
+
 def assert_resumed(straight: Path, out: Path, case: str, resumed: Result) -> None:
-    """``case``'s config, resumed by ``resumed`` (the same command), ends as the straight run."""
+    """``case``'s config, resumed by ``resumed`` (the same command), ends as the straight run,
+    and logs its losses: the first after the resume covers the updates the checkpoint
+    followed since the last log step too."""
     config, _, _, resume_step = KILLS[case]
     assert f"resumed from {checkpoint_path(out, config, resume_step)}" in resumed.output
     assert rank_result(out, config, "resumed", 0)["start_step"] == resume_step
     assert_matches_straight(straight, out, config, "resumed", first="first")
+    logged, reference = logged_losses(out / config), logged_losses(straight / config)
+    assert logged and min(logged) > resume_step
+    assert logged == pytest.approx({s: reference[s] for s in logged}, rel=1e-12, abs=0)
 
 
 @pytest.fixture(scope="module")
@@ -538,9 +551,13 @@ def test_sigterm_preempts_with_a_checkpoint_and_resumes_exactly(
         step_lr = saved["parts"]["callbacks"]["all"]["LRSchedulerCallback#0"]
         assert step_lr["last_epoch"] == 0, "stepped at the pre-emption"
 
+    assert len(trainer_state["unread_loss"]) == 2  # update 5's loss: log step 6 covers it
     resumed = launch(tmp_path, config, "resumed", "--checkpoint-every", "0")
     assert f"resumed from {checkpoint_path(tmp_path, config, stop)}" in resumed.output
     assert_matches_straight(straight, tmp_path, config, "resumed", first="first")
+    logged, reference = logged_losses(tmp_path / config), logged_losses(straight / config)
+    assert min(logged) == 6
+    assert logged == pytest.approx({s: reference[s] for s in logged}, rel=1e-12, abs=0)
 
 
 # ----- a checkpoint must never run code -----

@@ -20,7 +20,7 @@ from fastdist.modes import kept_modes
 from fastdist.trainer.build import Run
 from fastdist.trainer.failure import report_failure
 from fastdist.trainer.preemption import report_preempted, requeue
-from fastdist.trainer.progress import Progress
+from fastdist.trainer.progress import Progress, log_plan
 from fastdist.trainer.safety import all_finite, check_in_sync, warn_skipped
 from fastdist.trainer.sync import Agreement
 from fastdist.trainer.update import TrainingModes, Update
@@ -253,8 +253,18 @@ class Loop:
         agreed = self.sync(check_model=True)
         if not agreed.preempted:
             with self.timer.paused():
-                self.run.checkpointer.save(self.state.global_step)
+                self._checkpoint(agreed)
         return agreed
+
+    def _checkpoint(self, agreed: Agreement) -> str | None:
+        """Write a checkpoint right after the sync point ``agreed`` (its loss not yet read goes
+        in); rank 0's path, ``None`` elsewhere or when it is written in the background."""
+        state = self.state
+        state.unread_loss = None if agreed.pending is None else list(agreed.pending)
+        try:
+            return self.run.checkpointer.save(state.global_step)
+        finally:
+            state.unread_loss = None
 
     def fit(self, resume: bool | str | os.PathLike) -> dict[str, Any]:
         """What ``DistTrainer.train`` does: resume, train, end; the result on every rank. Rank 0
@@ -297,9 +307,9 @@ class Loop:
         SLURM job if its signal came; exit with 143."""
         path = None
         if self.run.checkpointer.dir is not None:
-            self.sync(check_model=True)
+            agreed = self.sync(check_model=True)
             with self.timer.paused():
-                path = self.run.checkpointer.save(self.state.global_step)
+                path = self._checkpoint(agreed)
                 path = self.run.checkpointer.wait() or path  # written in the background
         path = broadcast_object(path, group=self.world.group)  # sent after rank 0's write
         report_preempted(self.state.global_step, path, self.world.rank == 0)
@@ -340,25 +350,17 @@ class Loop:
                     resumed.data_shards,
                     global_batch,
                 )
-        logger.info(
-            "training on %d process(es), %s; global batch %d = %d per process x %d%s x "
-            "update_every %d; %s updates",
-            world.size,
-            world.device,
-            global_batch,
-            options.batch_size_per_gpu,
-            world.data.size,
-            ""
-            if world.data.size == world.size
-            else " data shards (a pipeline's stages and tensor-parallel peers share one)",
-            options.update_every,
-            "unknown (a stream)" if left is None else state.total_steps,
+        log_plan(
+            world, global_batch, options.batch_size_per_gpu, options.update_every, state.total_steps
         )
         show = world.rank == 0
         self.progress = Progress(
             show, options.use_tqdm, state.total_steps, state.global_step, global_batch
         )
         self.losses.reset(state.global_step)
+        if resumed is not None and state.unread_loss is not None and world.rank == 0:
+            self.losses.carry(*state.unread_loss)  # the next log step covers them too
+        state.unread_loss = None
 
     def _updates_left(self) -> int | None:
         """Optimizer updates from the current position to the end of the last epoch (``None``:

@@ -175,6 +175,12 @@ class LossTracker:
         self.reset(step)
         return stats
 
+    def carry(self, loss_sum: float, count: float) -> None:
+        """Hold, as pending, a checkpoint's loss sum and count of every rank's updates that no
+        log step read (one rank carries them: the next read sums every rank's)."""
+        self.folded = torch.tensor(loss_sum, dtype=torch.float64, device=self.device)
+        self.count = count
+
     def first_nonfinite(self, taken: bool = False) -> tuple[int, str] | None:
         """The step of the first pending (``taken``: last taken) update with a NaN/Inf loss on
         this rank, and words for it (a range if it was folded); ``None`` if all were finite.

@@ -4,10 +4,32 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 from tqdm import tqdm
 
 from fastdist.logging import logger
+
+
+def log_plan(
+    world: Any, global_batch: int, per_process: int, update_every: int, total: int | None
+) -> None:
+    """Log the run's shape: processes, device, the global batch and the updates to make."""
+    shards = world.data.size
+    logger.info(
+        "training on %d process(es), %s; global batch %d = %d per process x %d%s x "
+        "update_every %d; %s updates",
+        world.size,
+        world.device,
+        global_batch,
+        per_process,
+        shards,
+        ""
+        if shards == world.size
+        else " data shards (a pipeline's stages and tensor-parallel peers share one)",
+        update_every,
+        "unknown (a stream)" if total is None else total,
+    )
 
 
 class Progress:

@@ -12,8 +12,8 @@ A log step's all-reduce is started (:meth:`Sync.start`) and read later (:meth:`S
 the loop reads it after the next update's forward and backward, so that no rank waits for it
 (see :meth:`fastdist.trainer.loop.Loop.log_step`); every other sync point waits at once.
 
-The caller acts on the returned :class:`Agreement`; nothing is set behind its
-back, and nothing agreed here is ever checkpointed.
+The caller acts on the returned :class:`Agreement`; nothing is set behind its back. Of what
+is agreed, only the loss not yet read goes into a checkpoint (``TrainerState.unread_loss``).
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ class Agreement:
         requeue: some rank got the requeue signal of a SLURM job (after the checkpoint, the
             job requeues itself).
         step: the update it was made at: ``loss`` covers the updates up to it.
+        pending: where the loss was not read, its sum and count over every rank's updates
+            since the last read (a checkpoint keeps them for the next read after a resume).
     """
 
     stop_requested: bool
@@ -59,6 +61,7 @@ class Agreement:
     rank_times: tuple[list[RankTime], int] | None
     requeue: bool = False
     step: int = 0
+    pending: tuple[float, float] | None = None
 
     @property
     def stop(self) -> bool:
@@ -155,6 +158,7 @@ class Sync:
             loss=loss_sum / count if taken and count else None,
             rank_times=self.timer.received(reduced[7:]),
             step=step,
+            pending=None if taken else (loss_sum, count),
         )
 
     def _start(
