@@ -108,6 +108,35 @@ def test_a_fresh_start_never_deletes_earlier_checkpoints(tmp_path: Path) -> None
     ]
 
 
+class CountUpdates(Callback):
+    def __init__(self) -> None:
+        self.updates = 0
+
+    def on_step_end(self) -> None:
+        self.updates += 1
+
+
+@pytest.mark.parametrize("manifest_left", ["older entries", "none"])
+def test_an_unrecorded_newest_checkpoint_is_resumed_not_overwritten(
+    tmp_path: Path, manifest_left: str
+) -> None:
+    """A run stopped between writing a checkpoint (renamed whole) and recording it in the
+    manifest: resume='auto' continues from it (it trained update 6 already), and does not
+    start over and write a new step-00000006.pt over it."""
+    trainer(tmp_path, checkpoint_every=2).train()
+    checkpoints = tmp_path / "checkpoints"
+    entries = manifest(checkpoints)
+    if manifest_left == "none":
+        (checkpoints / "manifest.json").unlink()
+    else:
+        (checkpoints / "manifest.json").write_text(json.dumps(entries[:-1]))  # 6 unrecorded
+    saved = (checkpoints / "step-00000006.pt").read_bytes()
+    counter = CountUpdates()
+    result = make_trainer(counter, save_path=str(tmp_path), checkpoint_every=4, n_epochs=2).train()
+    assert result["steps"] == 12 and counter.updates == 6  # from update 6 on
+    assert (checkpoints / "step-00000006.pt").read_bytes() == saved  # never rewritten
+
+
 def test_pruning_removes_only_the_runs_own_checkpoints(tmp_path: Path) -> None:
     """A run prunes what it wrote and what it continues, never another run's checkpoint."""
     CheckpointDir(str(tmp_path), keep=1).save({"run": 1}, 1)

@@ -138,11 +138,20 @@ def _plan(
             return Plan([])
         if fetch is not None:
             fetch(directory)
-        entries = directory.entries()
-        directory.adopt(entry["file"] for entry in entries)  # continued, hence this run's
-        where = directory.directory
+        entries, held = directory.entries(), directory.held()
+        where, last = directory.directory, max((e["step"] for e in entries), default=-1)
+        unlisted = sorted((step, name) for name, step in held.items() if step > last)
+        if unlisted:  # written (renamed whole) but not recorded: the run stopped in between
+            logger.warning(
+                "%s holds %s, which its manifest does not list (the run stopped between writing "
+                "and recording it): tried first, checked by loading (no checksum)",
+                where,
+                ", ".join(name for _, name in unlisted),
+            )
+        directory.adopt([e["file"] for e in entries] + [name for _, name in unlisted])  # its own
         return Plan(
-            [
+            [Candidate(os.path.join(where, name), {}) for _, name in reversed(unlisted)]
+            + [
                 Candidate(os.path.join(where, entry["file"]), expected_checksums(where, entry))
                 for entry in reversed(entries)
             ]
