@@ -47,6 +47,7 @@ from workers.trainer_worker import ToyData, ToyNet
 from fastdist import DDP, FSDP, AccuracyMetric, Callback, CrossEntropyLoss
 from fastdist.callbacks import EarlyStopCallback
 from fastdist.data import TokenBatchSampler
+from fastdist.distributed import get_rank
 
 WORKER = Path(__file__).resolve().parent / "workers" / "bad_input_worker.py"
 LAUNCH_BOUND = 40.0  # seconds for the whole launch (5 s here, torch's import included)
@@ -57,7 +58,8 @@ FAIL_BOUND = 15.0  # seconds from rank 0's error in a hook to rank 1's
 class Row:
     """One bad input: ``given`` (keywords, or a builder of them), the exception's type name,
     words its message must hold, and when it is raised (``"init"``, ``"first_batch"``, or
-    ``"log_step"``: the first, with ``print_every=1``)."""
+    ``"log_step"``: the first, with ``print_every=1``; ``"group"``: at construction, once the group
+    formed, when the ranks were given different arguments)."""
 
     given: dict[str, Any] | Callable[[], dict[str, Any]]
     error: str
@@ -119,6 +121,14 @@ def per_sample_loss(output: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor
 
 def _foreign_optimizer() -> dict[str, Any]:
     return {"optimizer": torch.optim.SGD(ToyNet().parameters(), lr=0.1)}
+
+
+def _learning_rate_per_rank() -> dict[str, Any]:
+    model = ToyNet()
+    return {
+        "model": model,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1 * (1 + get_rank())),
+    }
 
 
 def _same_callback_twice() -> dict[str, Any]:
@@ -488,6 +498,30 @@ ROWS: dict[str, Row] = {
         {"comm_hook": "powersgd"},
         "TypeError: comm_hook= is an option of the strategy | strategy=DDP(comm_hook='powersgd')",
     ),
+    # given differently on the ranks: seen once the group forms, before any other collective
+    "ranks_given_another_update_every": row(
+        lambda: {"update_every": 1 + get_rank()},
+        "ValueError: DistTrainer was given different arguments on different ranks | "
+        "update_every: 1 on ranks [0], 2 on ranks [1] | Give every rank the same arguments",
+        when="group",
+    ),
+    "ranks_given_datasets_of_another_length": row(
+        lambda: {"train_data": ToyData(32 - 4 * get_rank())},
+        "ValueError: different arguments | len(train_data): 32 on ranks [0], 28 on ranks [1]",
+        when="group",
+    ),
+    "ranks_given_another_learning_rate": row(
+        _learning_rate_per_rank,
+        "ValueError: different arguments | optimizer.param_groups[0]['lr']: 0.1 on ranks [0], "
+        "0.2 on ranks [1]",
+        when="group",
+    ),
+    "a_callback_on_rank_zero_only": row(
+        lambda: {"callbacks_all": [EarlyStopCallback(patience=2)] if get_rank() == 0 else []},
+        "ValueError: different arguments | callbacks_all: ['EarlyStopCallback'] on ranks [0], "
+        "[] on ranks [1]",
+        when="group",
+    ),
     # seen at the first micro-batch, on every rank
     "loss_not_a_scalar": row(
         {"loss": per_sample_loss, "update_every": 2},
@@ -607,6 +641,8 @@ def test_bad_input_fails_alike_on_every_rank(name: str, launch: Launch) -> None:
         _check_error(error, expected, rank)
         if expected.when == "init":
             assert not error["group_after"], f"rank {rank}: process group formed before the error"
+        elif expected.when == "group":  # the comparison is the trainer's first collective
+            assert error["group_after"] and "global_step" not in error, error
         else:  # the first micro-batch of the first epoch (the first log step), and reported
             step = 1 if expected.when == "log_step" else 0
             assert (error["global_step"], error["batch_idx"]) == (step, 0), error

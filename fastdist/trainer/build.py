@@ -56,6 +56,7 @@ from fastdist.trainer.precision import Precision
 from fastdist.trainer.preemption import SigtermFlag
 from fastdist.trainer.ray_report import RayReport
 from fastdist.trainer.safety import check_even_shards
+from fastdist.trainer.same_arguments import check_same_arguments
 from fastdist.trainer.sync import Sync
 from fastdist.trainer.timing import RankTimer, SlowRankReport
 
@@ -116,7 +117,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
     options, device = args.options, args.device
     precision = Precision(options.amp, device)  # refuses fp16 without CUDA
     sigterm = SigtermFlag()  # refuses a bad FASTDIST_REQUEUE_SIGNAL
-    world = _form_world(options, device)  # the topology too: the strategy's layout
+    world = _form_world(args)  # the topology too: the strategy's layout
     model = args.model.to(device)
     forward = make_forward(model)  # from the signature, before compiling
     evaluate = make_forward(model, evaluation=True)  # the model's predict() if it has one
@@ -174,8 +175,10 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
     return run
 
 
-def _form_world(options: TrainerOptions, device: torch.device) -> World:
-    """Form the process group (several processes) and the trainer's own group."""
+def _form_world(args: Arguments) -> World:
+    """Form the process group (several processes) and the trainer's own group; check that
+    every rank was given the same arguments, before the strategy's first collective."""
+    options, device = args.options, args.device
     if get_world_size() > 1:
         spec = options.device  # "auto" and "cuda" ask for a GPU of each process's own
         exclusive = spec in (None, "auto") or torch.device(spec).index is None
@@ -191,6 +194,7 @@ def _form_world(options: TrainerOptions, device: torch.device) -> World:
     group = None  # a group of our own bounds every wait of the trainer by the timeout
     if is_distributed() and options.timeout is not None:
         group = dist.new_group(timeout=datetime.timedelta(seconds=options.timeout))
+    check_same_arguments(args, group)
     topology = Topology.of(options.strategy, device.type, options.timeout)
     board = PositionBoard(rank, size)
     hang.watch(rank, hang.dump_dir(options.save_path), lambda: board.describe(board.fields))
