@@ -261,6 +261,25 @@ ROWS: dict[str, Row] = {
         {"stream_read_ahead_mb": 0}, "ValueError: stream_read_ahead_mb must be a number > 0"
     ),
     "timeout_negative": row({"timeout": -1}, "ValueError: timeout must be a number > 0"),
+    "timeout_infinite": row(
+        {"timeout": float("inf")}, "ValueError: timeout must be at most 1e+08 seconds | got inf"
+    ),
+    "seed_too_large": row({"seed": 2**64}, "ValueError: seed must be below 2**63 | smaller seed"),
+    "sampler_a_name": row(
+        {"sampler": "random"}, "TypeError: sampler must be a sampler | got 'random'"
+    ),
+    "batch_sampler_of_indices": row(
+        {"batch_sampler": [1, 2]},
+        "TypeError: batch_sampler must give each batch as a list of sample indices | holds 1",
+    ),
+    "validate_every_without_dev_data": row(
+        {"validate_every": 2},
+        "ValueError: validate_every=2 evaluates dev_data, but none was given | pass dev_data=",
+    ),
+    "multiprocessing_context_without_workers": row(
+        {"multiprocessing_context": "spawn"},
+        "ValueError: multiprocessing_context='spawn' applies to DataLoader worker",
+    ),
     "timeout_timedelta": row(
         lambda: {"timeout": __import__("datetime").timedelta(minutes=1)},
         "ValueError: timeout must be a number > 0 | timedelta",

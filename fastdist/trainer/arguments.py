@@ -16,16 +16,21 @@ from fastdist.callbacks.callback import Callback, state_keys
 from fastdist.callbacks.run_log import RunLogCallback
 from fastdist.checkpoint.export import check_format
 from fastdist.checks import check_instance, check_list, check_writable_dir, describe
-from fastdist.data import ResumableSampler, ShardedStream, TokenBatchSampler, split_batches
-from fastdist.distributed.env import get_local_rank, get_world_size, visible_gpu_count
+from fastdist.distributed.env import get_local_rank, visible_gpu_count
 from fastdist.evaluation.validator import as_metric_list, resolve_metric_key
 from fastdist.loggers.backend import Logger, check_loggers
 from fastdist.losses import Loss, as_loss_fn
 from fastdist.metrics import Metric
-from fastdist.strategies import Strategy, Topology
 from fastdist.strategies.registry import BY_NAME
-from fastdist.strategies.replica_groups import refuse_stream
 from fastdist.trainer.check_resume import overridden
+from fastdist.trainer.data_arguments import (
+    check_collate,
+    check_dataset,
+    check_enough_samples,
+    check_samplers,
+    epoch_batches,
+    shard_data,
+)
 from fastdist.trainer.options import TrainerOptions
 
 #: DistTrainer keywords that became options of a strategy object: name -> (class, option).
@@ -68,21 +73,6 @@ class Arguments:
         return isinstance(self.train_data, IterableDataset)
 
 
-def shard_data(train_data: Any, n_train: int | None, batch_sampler: Any, strategy: Strategy) -> int:
-    """Tell a token batch sampler this rank's data shard (tensor-parallel peers share one; each
-    torchft replica group has its own) and check its lengths against the ``n_train`` samples;
-    check a sharded stream's; return how many data shards there are. Raises before any
-    collective (the layout is known from the environment)."""
-    shard = Topology.of(strategy).data_shard
-    every = refuse_stream(train_data, strategy.replica_group, shard)  # torchft's groups
-    if isinstance(batch_sampler, TokenBatchSampler):
-        batch_sampler.check_samples(n_train)
-        batch_sampler.set_shard(every.rank, every.size)
-    if isinstance(train_data, ShardedStream):
-        train_data.check_shard(shard.rank, shard.size, get_world_size())
-    return every.size
-
-
 def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
     """Check every argument of ``DistTrainer`` (``given`` by name, ``extra``: keywords it
     does not take); raise alike on every rank, before any collective. Last, every rank
@@ -102,6 +92,11 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
         check_enough_samples(n_train // shards, options.batch_size_per_gpu, options.drop_last)
         options.strategy.check_batches(
             epoch_batches(n_train, shards, options), options.update_every
+        )
+    if options.validate_every != -1 and dev_data is None:
+        raise ValueError(
+            f"validate_every={options.validate_every} evaluates dev_data, but none was given: "
+            "pass dev_data= (with metrics=), or leave validate_every out"
         )
     metrics = check_metrics(given["metrics"], dev_data is not None, options.metric_key)
     metric_key, larger_better = resolve_metric_key(options.metric_key, metrics)
@@ -144,16 +139,6 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
     )
 
 
-def check_collate(collate_fn: Any) -> Any:
-    """``collate_fn`` is a function or ``None``; return it."""
-    if collate_fn is not None and not callable(collate_fn):
-        raise TypeError(
-            "collate_fn must be a function turning a list of samples into a batch, or None "
-            f"(torch's default_collate); got {describe(collate_fn)}"
-        )
-    return collate_fn
-
-
 def reject_extra(extra: Mapping[str, Any], known: Collection[str]) -> None:
     """Raise ``TypeError`` for a keyword ``DistTrainer`` does not take, naming where an option
     moved (``bucket_cap_mb`` -> ``DDP(bucket_cap_mb=...)``) or the name meant."""
@@ -177,19 +162,6 @@ def _shown(value: Any) -> str:
     if isinstance(value, list | tuple) and all(isinstance(v, type) for v in value):
         return "[" + ", ".join(v.__name__ for v in value) + "]"
     return repr(value)
-
-
-def check_dataset(name: str, data: Any) -> int:
-    """Return the size of a map-style dataset that holds at least one sample."""
-    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")) or isinstance(data, type):
-        stream = " or a stream (an IterableDataset)" if name == "train_data" else ""
-        raise TypeError(
-            f"{name} must be a map-style dataset (with __len__ and __getitem__){stream}, got "
-            f"{describe(data)}"
-        )
-    if len(data) == 0:
-        raise ValueError(f"{name} is empty: it must hold at least one sample")
-    return len(data)
 
 
 def check_model(model: Any) -> None:
@@ -300,54 +272,6 @@ def check_callbacks(callbacks_all: Any, callbacks_master: Any) -> tuple[list[Any
             seen[id(cb)] = name
         state_keys(items, name)  # raises on two callbacks with one state_key
     return lists["callbacks_all"], lists["callbacks_master"]
-
-
-def check_samplers(sampler: Any, batch_sampler: Any, stream: bool, drop_last: bool) -> None:
-    """At most one of them, each with ``__len__`` (this rank's samples or batches) and
-    ``__iter__``; none for a stream (``stream``: train_data is an ``IterableDataset``); a batch
-    sampler makes the batches, so ``drop_last`` does not apply to it."""
-    if stream and (sampler is not None or batch_sampler is not None):
-        raise ValueError(
-            "sampler= and batch_sampler= do not apply to a streaming train_data (an "
-            "IterableDataset): fastdist shards it over the ranks and DataLoader workers; "
-            "leave both None"
-        )
-    if sampler is not None and batch_sampler is not None:
-        raise ValueError("pass sampler= or batch_sampler=, not both")
-    for name, given, unit in (
-        ("sampler", sampler, "samples"),
-        ("batch_sampler", batch_sampler, "batches"),
-    ):
-        if isinstance(given, type):
-            raise TypeError(
-                f"{name}={given.__name__} is a class: pass an instance, built for this rank"
-            )
-        if given is not None and not (hasattr(given, "__len__") and hasattr(given, "__iter__")):
-            raise TypeError(
-                f"{name} must be a sampler: an iterable with __len__ (the number of {unit} of "
-                f"this rank), got {describe(given)}"
-            )
-    if batch_sampler is not None and drop_last:
-        raise ValueError(
-            "drop_last=True does not apply with batch_sampler=, which makes every batch itself: "
-            "leave drop_last out (or drop short batches in the batch sampler)"
-        )
-
-
-def epoch_batches(n_train: int, shards: int, options: TrainerOptions) -> list[list[int]]:
-    """Every data shard's batch sizes (samples) of an epoch, under torch's default sampler."""
-    sampler = ResumableSampler(n_train, 0, shards, drop_last=options.drop_last)
-    batch, drop = options.batch_size_per_gpu, options.drop_last
-    return [split_batches(sampler.shard_size(r, 0), batch, drop) for r in range(shards)]
-
-
-def check_enough_samples(n_samples: int, batch_size: int, drop_last: bool) -> None:
-    """With ``drop_last`` each rank needs at least one full batch per epoch."""
-    if drop_last and n_samples < batch_size:
-        raise ValueError(
-            f"train_data gives each rank {n_samples} samples, fewer than one batch with "
-            f"batch_size_per_gpu={batch_size} and drop_last=True: lower batch_size_per_gpu"
-        )
 
 
 def resolve_device(device: str | torch.device | None, gpu_count: int | None = None) -> torch.device:

@@ -31,6 +31,9 @@ from fastdist.distributed import get_world_size
 from fastdist.strategies import Strategy, resolve_strategy
 from fastdist.strategies.blocks import checkpoint_period
 
+#: The longest ``timeout`` (seconds): torch fails late on infinity or 1e30.
+MAX_TIMEOUT_S = 1e8
+
 
 @dataclass(frozen=True)
 class TrainerOptions:
@@ -101,6 +104,8 @@ class TrainerOptions:
                 check_int(name, getattr(self, name), minimum=1)
         for name in ("num_workers", "seed", "check_sync_every", "checkpoint_every"):
             check_int(name, getattr(self, name), minimum=0)
+        if self.seed >= 2**63:  # torch's generators take a signed 64-bit seed
+            raise ValueError(f"seed must be below 2**63, got {self.seed}: pass a smaller seed")
         check_int("keep_checkpoints", self.keep_checkpoints, minimum=1)
         check_int("validate_every", self.validate_every, minimum=-1)
         if self.validate_every == 0:
@@ -117,6 +122,11 @@ class TrainerOptions:
             check_bool("pin_memory", self.pin_memory)
         if self.timeout is not None:
             check_number("timeout", self.timeout, 0, inclusive=False)
+            if not self.timeout <= MAX_TIMEOUT_S:  # inf or 1e30 fail in torch, late
+                raise ValueError(
+                    f"timeout must be at most {MAX_TIMEOUT_S:.0e} seconds (3 years), got "
+                    f"{describe(self.timeout)}: pass the seconds a collective may wait"
+                )
         check_number("slow_rank_threshold", self.slow_rank_threshold, 0)
         check_number("stream_read_ahead_mb", self.stream_read_ahead_mb, 0, inclusive=False)
         check_choice("amp", self.amp, (None, "bf16", "fp16"))
@@ -143,6 +153,7 @@ class TrainerOptions:
         for name, given in (
             ("prefetch_factor", self.prefetch_factor is not None),
             ("persistent_workers", self.persistent_workers),
+            ("multiprocessing_context", self.multiprocessing_context is not None),
         ):
             if given and self.num_workers == 0:
                 raise ValueError(
