@@ -78,13 +78,14 @@ def make_forward(model: nn.Module, evaluation: bool = False) -> Callable[[nn.Mod
     params = list(inspect.signature(fn).parameters.values())
     takes_all = any(p.kind is p.VAR_KEYWORD for p in params)
     names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    unchecked = True
+    unchecked, by_forward = True, method == "forward"
 
     def forward(module: nn.Module, batch: Any) -> Any:
         nonlocal unchecked
-        call = module if method == "forward" else getattr(module, method)
-        if type(batch) is tuple or type(batch) is list:  # the common case: no ABC check
-            return call(*batch[:-1]) if len(batch) > 1 else call(batch[0])
+        call = module if by_forward else getattr(module, method)
+        kind = type(batch)
+        if kind is tuple or kind is list:  # the common case: no ABC check
+            return call(batch[0]) if len(batch) <= 2 else call(*batch[:-1])
         if isinstance(batch, Mapping):
             if unchecked:
                 check_batch_fields(list(batch), params, forward_name)

@@ -69,8 +69,22 @@ class LossTracker:
         reports nothing.
         """
         loss, count = result, samples
-        self.counted = isinstance(result, tuple)
-        if self.counted:
+        # The common case, a plain scalar tensor to backpropagate, in three cheap tests.
+        if not (type(result) is torch.Tensor and result.ndim == 0 and result.requires_grad):
+            loss, count, samples = self._checked(result, samples)
+        self.counted = loss is not result
+        if share:
+            self.window.append(loss.detach())
+            self.window_samples.append(samples)
+            self.window_count = self.window_count + count
+        return loss
+
+    @staticmethod
+    def _checked(result: Any, samples: int) -> tuple[torch.Tensor, Any, int]:
+        """``(loss, count, samples)`` of a ``(sum, count)`` pair or of a tensor of a subclass;
+        raise ``ValueError`` naming the fix for anything else."""
+        loss, count = result, samples
+        if isinstance(result, tuple):
             if len(result) != 2:
                 raise ValueError(
                     f"loss returned a tuple of {len(result)}: return a scalar tensor (the mean "
@@ -90,11 +104,7 @@ class LossTracker:
                 "torch.no_grad(), or made from .item() values): compute it from the model's "
                 "output with torch operations"
             )
-        if share:
-            self.window.append(loss.detach())
-            self.window_samples.append(samples)
-            self.window_count = self.window_count + count
-        return loss
+        return loss, count, samples
 
     def weight(self, share: float) -> float:
         """A mean weighs by its micro-batch's ``share`` of the update; a sum waits (below)."""

@@ -12,6 +12,7 @@ the loop) ``on_batch_end`` in :meth:`Update.end`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,6 +39,7 @@ class Update:
         self.timer, self.world, self.strategy = run.timer, run.world, run.strategy
         self.feed, self.loss_fn = run.forward, run.loss_fn
         self.fp32 = run.precision.amp is None
+        self.plain = self.fp32  # the micro-batch drawn last is fp32 and trains (no filler)
         self.batches = batches
         self.modes = modes
         modes.begin_pass()
@@ -51,39 +53,34 @@ class Update:
         return self
 
     def __iter__(self) -> Iterator[Any]:
-        """The update's micro-batches; the next update's first is not drawn."""
+        """The update's micro-batches, each announced in the mode it trains in; the next
+        update's first is not drawn."""
         first, self._first = self._first, None
-        yield self._draw(first)
-        if self.last:
-            return
-        for batch in self.batches:
-            yield self._draw(batch)
+        for batch in itertools.chain((first,), self.batches):
+            self._at(self._drawn)
+            self._drawn += 1
+            self.last = self.state.is_update
+            if not self.model.training:  # a callback's model.eval(): the pass's modes again
+                self.modes.restore()
+            self.callbacks.on_batch_begin(batch)
+            yield batch
             if self.last:
                 return
-
-    def _draw(self, batch: Any) -> Any:
-        """Move to the micro-batch drawn next; announce it in the mode it trains in."""
-        self._at(self._drawn)
-        self._drawn += 1
-        self.last = self.state.is_update
-        if not self.model.training:  # a callback's model.eval(): the pass's modes again
-            self.modes.restore()
-        self.callbacks.on_batch_begin(batch)
-        return batch
 
     def _at(self, index: int) -> None:
         """Point the state at micro-batch ``index`` of the pass."""
         state = self.state
         state.batch_idx = index
         state.is_update = self.data.ends_window(index + 1)
-        state.is_filler = self.data.weights[index] == 0.0  # trains nothing
+        state.is_filler = filler = self.data.weights[index] == 0.0  # trains nothing
+        self.plain = self.fp32 and not filler
 
     def forward(self, module: nn.Module, batch: Any, index: int | None = None) -> Any:
         """``module``'s output on the micro-batch drawn last, or on the update's ``index``-th
         (a schedule's: it runs them once all are drawn)."""
         if index is not None:
             self._at(self._ended + index)  # the update's first is the pass's next to end
-        if self._as_is():
+        if self.plain and self.model.training:  # no context: a `with` costs a micro-second
             return self.feed(module, batch)
         with self._context(module):
             return self.feed(module, batch)
@@ -95,25 +92,20 @@ class Update:
 
     def loss(self, output: Any, batch: Any) -> torch.Tensor:
         """The next micro-batch's loss to backpropagate: weighted, scaled."""
-        index = self._lost
-        self._lost += 1
+        index, data, losses = self._lost, self.data, self.losses
+        self._lost = index + 1
         if index != self.state.batch_idx:  # a schedule's: every micro-batch is drawn
             self._at(index)
-        share, samples = self.data.weights[index], self.data.samples[index]
+        share, samples = data.weights[index], data.samples[index]
         self.callbacks.on_loss_begin(batch, output)  # not in a filler's eval mode: its changes hold
-        if self._as_is():
-            loss = self._recorded(output, batch, share, samples)
+        if self.plain and self.model.training:
+            loss = losses.add(self.loss_fn(output, batch), share, samples)
         else:
             with self._context():
-                loss = self._recorded(output, batch, share, samples)
+                loss = losses.add(self.loss_fn(output, batch), share, samples)
         self.callbacks.on_backward_begin(loss)
-        weight = self.losses.weight(share)
+        weight = losses.weight(share)
         return self.precision.scale(loss if weight == 1.0 else loss * weight)
-
-    def _recorded(self, output: Any, batch: Any, share: float, samples: int) -> torch.Tensor:
-        """The micro-batch's loss, recorded with its ``share`` of the update and its
-        ``samples``."""
-        return self.losses.add(self.loss_fn(output, batch), share, samples)
 
     def end(self) -> None:
         """After the next micro-batch's backward."""
@@ -146,11 +138,6 @@ class Update:
         if not self.model.training:  # the root's flag: a walk of every module only then
             self.modes.restore()
         return contextlib.nullcontext()
-
-    def _as_is(self) -> bool:
-        """Whether the forward and the loss run with no context: fp32, a micro-batch that
-        trains, the model in train mode (the common case; a ``with`` costs a micro-second)."""
-        return self.fp32 and self.model.training and not self.state.is_filler
 
     def _context(self, module: nn.Module | None = None) -> contextlib.AbstractContextManager:
         """Autocast (amp) in the micro-batch's :meth:`mode`."""
