@@ -179,3 +179,24 @@ def test_export_names_the_file_it_cannot_read(
         cut.write_bytes(whole.read_bytes()[: whole.stat().st_size * eighths // 8])
         code, message = export(cut, tmp_path / "m.pt", capsys)
         assert code == 1 and message.startswith(f"fastdist export: {cut} "), message
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ([1, 2], ": it holds a list"),
+        (torch.ones(2), ": it holds a Tensor"),
+        ({1: torch.ones(2)}, ""),
+        ({}, ": it is an empty dict"),
+    ],
+)
+def test_export_names_a_torch_file_that_holds_no_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: object, words: str
+) -> None:
+    """torch.save files of other things: one line, not a traceback nor an empty model."""
+    path = tmp_path / "other.pt"
+    torch.save(content, path)
+    code, message = export(path, tmp_path / "m.pt", capsys)
+    assert code == 1 and not (tmp_path / "m.pt").exists()
+    neither = f"{path} is not a checkpoint fastdist wrote, nor a state_dict (names to tensors)"
+    assert message.endswith(neither + words), message

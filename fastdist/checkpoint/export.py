@@ -145,10 +145,15 @@ def checkpoint_weights(path: str) -> tuple[dict[str, Any], str]:
     """
     path = _verified(path)
     saved = _load(path)  # weights_only; a sharded one's trainer.pt
+    neither = f"{path} is not a checkpoint fastdist wrote, nor a state_dict (names to tensors)"
+    if not isinstance(saved, dict):
+        raise ValueError(f"{neither}: it holds a {type(saved).__name__}")
     if "parts" not in saved and saved.get("format") != 1:
-        if all(isinstance(v, torch.Tensor) for v in saved.values()):
+        if saved and all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in saved.items()
+        ):
             return saved, path  # a state_dict already
-        raise ValueError(f"{path} is not a checkpoint fastdist wrote, nor a state_dict")
+        raise ValueError(neither if saved else f"{neither}: it is an empty dict")
     checkpoint = upgrade(saved)
     if "model" in checkpoint["sharded"]:
         return _sharded_model(path), path
