@@ -74,6 +74,25 @@ def test_plot_reports_a_missing_run(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert not (tmp_path / "x.png").exists()
 
 
+def test_plot_names_a_bad_input_or_output_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    binary = tmp_path / "model.pt"
+    binary.write_bytes(b"\x80\x02\xff\xfe binary")
+    assert main(["plot", str(binary), "-o", str(tmp_path / "x.png")]) == 1
+    assert f"{binary} is not a text log (invalid start byte)" in capsys.readouterr().err
+    log = write_log(tmp_path / "log.jsonl", [{"n": 4, "scale": 1.0}])
+    for out in (tmp_path, log / "x.png"):  # a directory; under a file
+        assert main(["plot", str(log), "-o", str(out)]) == 1
+        assert f"fastdist plot: cannot write {out}: " in capsys.readouterr().err
+    for dpi in ("0", "100000"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["plot", str(log), "--dpi", dpi, "-o", str(tmp_path / "x.png")])
+        assert exit_.value.code == 2
+        assert f"must be from 1 to 1200, got {dpi}" in capsys.readouterr().err
+
+
 def test_load_run_replaces_earlier_runs_and_skips_a_cut_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -53,7 +53,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "-o", "--output", default="curves.png", help="PNG file to write (default: curves.png)"
     )
-    parser.add_argument("--dpi", type=int, default=150, help="resolution (default: 150)")
+    parser.add_argument("--dpi", type=_dpi, default=150, help="resolution, 1-1200 (default: 150)")
     parser.set_defaults(run=run)
 
 
@@ -70,8 +70,20 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"{MISSING_MATPLOTLIB} ({exc})", file=sys.stderr)
         return 1
+    except OSError as exc:  # a directory, no such folder, no permission
+        why = exc.strerror or type(exc).__name__
+        print(f"fastdist plot: cannot write {args.output}: {why}", file=sys.stderr)
+        return 1
     print(f"wrote {args.output} ({len(runs)} run(s): {', '.join(runs)})")
     return 0
+
+
+def _dpi(value: str) -> int:
+    """``--dpi``: an integer from 1 to 1200 (more would not fit in memory)."""
+    dpi = int(value)
+    if not 1 <= dpi <= 1200:
+        raise argparse.ArgumentTypeError(f"must be from 1 to 1200, got {dpi}")
+    return dpi
 
 
 def resolve_log(run: str | os.PathLike[str]) -> Path:
@@ -99,25 +111,29 @@ def load_run(path: str | os.PathLike[str]) -> list[Record]:
     """
     records: list[Record] = []
     parts = bad = 0
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                bad += 1
-                continue
-            if not isinstance(record, dict):
-                bad += 1
-                continue
-            if record.get("kind") == "start":
-                parts += 1
-                resumed_at = record.get("step")
-                if not _is_number(resumed_at):
-                    resumed_at = 0
-                records = [r for r in records if _step_at_most(r, resumed_at)]
-            records.append(record)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError as exc:
+        raise PlotError(f"{path} is not a text log ({exc.reason}): pass a log.jsonl") from exc
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if not isinstance(record, dict):
+            bad += 1
+            continue
+        if record.get("kind") == "start":
+            parts += 1
+            resumed_at = record.get("step")
+            if not _is_number(resumed_at):
+                resumed_at = 0
+            records = [r for r in records if _step_at_most(r, resumed_at)]
+        records.append(record)
     if bad:
         print(
             f"fastdist plot: {path}: skipped {bad} line(s) that are not JSON objects",
