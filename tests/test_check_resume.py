@@ -86,3 +86,9 @@ def test_bad_arguments_are_refused_naming_them(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):  # argparse's usage error
         cli_main(["env", "--", "x"])
     assert "only check-resume takes arguments after --" in capsys.readouterr().err
+    assert cli_main(["check-resume", str(SCRIPT), "--dir", str(SCRIPT)]) == 2
+    assert f"--dir {SCRIPT} is a file: pass a new or empty directory" in capsys.readouterr().err
+    for timeout in ("0", "nan"):
+        with pytest.raises(SystemExit):
+            cli_main(["env", "--timeout", timeout])
+        assert f"must be seconds above 0, at most 86400, got {timeout}" in capsys.readouterr().err

@@ -111,6 +111,8 @@ def _bad_arguments(args: argparse.Namespace) -> str | None:
         return f"--timeout {args.timeout:g}: pass the seconds each run may take, above 0"
     if args.nproc_per_node < 1:
         return f"--nproc-per-node {args.nproc_per_node}: pass 1 or more processes"
+    if args.dir and os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        return f"--dir {args.dir} is a file: pass a new or empty directory"
     if args.dir and os.path.exists(args.dir) and os.listdir(args.dir):
         return f"--dir {args.dir} is not empty: pass a new or empty directory"
     return None

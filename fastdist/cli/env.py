@@ -50,11 +50,19 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=10.0,
         help="seconds the process-group check may take (default: 10)",
     )
     parser.set_defaults(run=run)
+
+
+def _seconds(value: str) -> float:
+    """``--timeout``: a number of seconds above 0 (at most a day)."""
+    seconds = float(value)
+    if not 0 < seconds <= 86400:
+        raise argparse.ArgumentTypeError(f"must be seconds above 0, at most 86400, got {value}")
+    return seconds
 
 
 def run(args: argparse.Namespace) -> int:
