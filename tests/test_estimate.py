@@ -151,6 +151,24 @@ def test_command_reports_bad_input(capsys: pytest.CaptureFixture) -> None:
     assert "amp='fp16' under Pipeline: the gradient scaler" in capsys.readouterr().err
 
 
+def test_command_names_a_setup_that_raises_or_returns_no_dict(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    script = tmp_path / "setups.py"
+    script.write_text(
+        "def boom():\n    raise RuntimeError('no data here')\n\ndef none():\n    pass\n"
+    )
+    assert main(["estimate", f"{script}:boom"]) == 1
+    err = capsys.readouterr().err
+    assert f"SETUP {script}:boom raised RuntimeError: no data here ({script}, line 2)" in err
+    assert "Traceback" not in err
+    assert main(["estimate", f"{script}:none"]) == 1
+    assert (
+        "returned NoneType: return a dict with model, optimizer and batch"
+        in capsys.readouterr().err
+    )
+
+
 class ResidualOutside(torch.nn.Module):
     """Its residual connections skip the blocks (``h = h + block(h)``): no cut computes it."""
 

@@ -19,6 +19,8 @@ import importlib
 import importlib.util
 import re
 import sys
+import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +118,19 @@ def load_setup(spec: str) -> dict[str, Any]:
         raise ValueError(
             f"SETUP {spec!r}: {where} has no function {name}: name a function defined in it"
         )
-    setup = function()
+    try:
+        setup = function()
+    except Exception as exc:  # the user's code: its error and its line, not our frames
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        raise ValueError(
+            f"SETUP {spec} raised {type(exc).__name__}: {exc} ({frame.filename}, line "
+            f"{frame.lineno})"
+        ) from exc
+    if not isinstance(setup, Mapping):
+        raise TypeError(
+            f"SETUP {spec} returned {type(setup).__name__}: return a dict with model, "
+            "optimizer and batch"
+        )
     missing = [k for k in ("model", "optimizer", "batch") if k not in setup]
     if missing:
         raise KeyError(f"{spec} returned no {', '.join(missing)}: return a dict with them")
