@@ -25,7 +25,7 @@ from inprocess import make_trainer
 from launch import Result, free_port, run_torchrun
 from test_disk_full import tmpfs  # noqa: F401  (a fixture)
 
-from fastdist.callbacks import Callback, RunLogCallback
+from fastdist.callbacks import Callback, JSONLogCallback, RunLogCallback
 from fastdist.loggers import (
     JsonLogger,
     Logger,
@@ -459,10 +459,32 @@ def test_two_backends_writing_one_file_are_refused(tmp_path: Path, loggers: Any)
     save = tmp_path / "save"
     (tmp_path / "link").symlink_to(save, target_is_directory=True)  # dangling until made
     with pytest.raises(
-        ValueError, match=r"^loggers holds (a (\w+) and a \2 that both write|two Wandb)"
+        ValueError, match=r"^(a (\w+) in loggers and a \2 in loggers both write|loggers holds two)"
     ):
         make_trainer(RunLogCallback([]), loggers=loggers(save), save_path=str(save))
     assert not save.exists()
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_a_hard_link_or_a_callbacks_file_is_the_same_file(tmp_path: Path) -> None:
+    """Two paths of one file (a hard link), and a logger a callback holds: refused, naming
+    where each was given."""
+    save = tmp_path / "save"
+    save.mkdir()
+    (save / "a.jsonl").touch()
+    os.link(save / "a.jsonl", save / "b.jsonl")
+    with pytest.raises(ValueError, match=r"^a JsonLogger in loggers and a JsonLogger in loggers"):
+        make_trainer(
+            RunLogCallback([]),
+            loggers=[JsonLogger(save / "a.jsonl"), JsonLogger(save / "b.jsonl")],
+            save_path=str(save),
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"^a JsonLogger in loggers and the JsonLogger of a JSONLogCallback in "
+        r"callbacks_master both write '.*/save/log.jsonl'",
+    ):
+        make_trainer(JSONLogCallback(), loggers=[JsonLogger()], save_path=str(save))
 
 
 @pytest.mark.parametrize(

@@ -128,17 +128,20 @@ def options(record: Mapping[str, Any]) -> dict[str, Scalar]:
 
 
 def check_loggers(
-    value: object, save_path: str | None, others: Sequence[Logger] = ()
+    value: object, save_path: str | None, others: Sequence[tuple[str, Logger]] = ()
 ) -> list[Logger]:
     """``DistTrainer(loggers=...)``: a list of :class:`Logger` backends, each object once, no
-    two writing the same file or directory (``others``: backends the callbacks hold)."""
+    two writing the same file or directory (``others``: backends the callbacks hold, each
+    with the words for where it is, e.g. ``"a JSONLogCallback in callbacks_master"``)."""
     loggers = check_list("loggers", value, Logger, "fastdist.loggers backends", "JsonLogger()")
     if len({id(b) for b in loggers}) < len(loggers):
         raise ValueError("loggers holds the same backend object twice: pass each backend once")
-    run, writers, every = RunContext(save_path, 0), dict[str, Logger](), [*loggers, *others]
-    for backend in every:
+    every = [(f"a {type(b).__name__} in loggers", b) for b in loggers]
+    every += [(f"the {type(b).__name__} of {where}", b) for where, b in others]
+    run, writers = RunContext(save_path, 0), dict[Any, str]()
+    for words, backend in every:
         kind = type(backend)
-        if kind.one_per_process and sum(type(b) is kind for b in every) > 1:
+        if kind.one_per_process and sum(type(b) is kind for _, b in every) > 1:
             raise ValueError(
                 f"loggers holds two {kind.__name__}s: it keeps one run per process (a second "
                 "one would write into the first's run): keep one"
@@ -146,12 +149,21 @@ def check_loggers(
         where = backend.destination(run)
         if where is None:
             continue
-        where = os.path.realpath(where)  # the same file through a symbolic link
-        first = writers.setdefault(where, backend)
-        if first is not backend:
+        first = writers.setdefault(file_identity(where), words)
+        if first is not words:
             raise ValueError(
-                f"loggers holds a {type(first).__name__} and a {type(backend).__name__} that "
-                f"both write {where!r} (every record would be written twice, interleaved): "
-                "keep one of them, or give each its own path"
+                f"{first} and {words} both write {os.path.realpath(where)!r} (every record "
+                "would be written twice, interleaved): keep one of them, or give each its own "
+                "path"
             )
     return loggers
+
+
+def file_identity(path: str) -> Any:
+    """What tells whether two paths are one file or directory: its device and inode where it
+    exists (a hard link too), else the path with symbolic links resolved."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return os.path.realpath(path)
+    return found.st_dev, found.st_ino

@@ -240,11 +240,13 @@ def check_metrics(metrics: Any, has_dev_data: bool, metric_key: str | None) -> l
     return checked
 
 
-def _backends(callbacks: tuple[list[Any], list[Any]]) -> list[Logger]:
-    """The logging backends the callbacks hold (``JSONLogCallback``'s file...)."""
+def _backends(callbacks: tuple[list[Any], list[Any]]) -> list[tuple[str, Logger]]:
+    """The logging backends the callbacks hold (``JSONLogCallback``'s file...), each with
+    where it is."""
     return [
-        b
-        for cb in callbacks[0] + callbacks[1]
+        (f"a {type(cb).__name__} in {name}", b)
+        for name, given in zip(("callbacks_all", "callbacks_master"), callbacks, strict=True)
+        for cb in given
         if isinstance(cb, RunLogCallback)
         for b in cb.log.backends
     ]
