@@ -16,7 +16,7 @@ Usage (under torchrun)::
   wrote the ``.pt`` temp file, before its fsync and rename; any rank after DCP wrote its shards
   (``__R_0.distcp``), before ``.metadata`` and the publishing rename;
 * ``rename``: rank 0, right after the checkpoint of ``step`` was renamed into place (file or
-  directory), before the manifest names it;
+  directory), before the manifest names it (the next attempt resumes from it);
 * ``predict``: in the ``at``-th batch of ``trainer.predict`` after training, its spill file
   part-written.
 
@@ -138,8 +138,10 @@ class Killer(Callback):
         step = f"step-{self.kill['step']:08d}"
         written = self.kill["kind"] == "checkpoint" and not renamed and step in name
         moved = self.kill["kind"] == "rename" and renamed and name in (step, f"{step}.pt")
-        if written or moved:
+        if written:
             self.die(expect=self.kill["step"] - 1)
+        if moved:  # whole, not yet in the manifest: resume="auto" continues from it
+            self.die(expect=self.kill["step"])
 
 
 KILLER: Killer | None = None  # the run's, for the patched writers below
