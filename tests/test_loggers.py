@@ -442,6 +442,14 @@ def test_the_run_log_is_written_beside_a_json_logger_of_another_path(tmp_path: P
     trainer.train()
     kinds = [json.loads(line)["kind"] for line in (other / "log.jsonl").read_text().splitlines()]
     assert kinds.count("start") == 1 and kinds.count("end") == 1, kinds
+    linked = tmp_path / "linked"  # a hard link to save_path/log.jsonl is that file
+    linked.mkdir()
+    (linked / "log.jsonl").touch()
+    os.link(linked / "log.jsonl", tmp_path / "link.jsonl")
+    logger = JsonLogger(tmp_path / "link.jsonl")
+    make_trainer(RunLogCallback([]), loggers=[logger], n_epochs=1, save_path=str(linked)).train()
+    kinds = [json.loads(line)["kind"] for line in (linked / "log.jsonl").read_text().splitlines()]
+    assert kinds.count("start") == 1, kinds
 
 
 @pytest.mark.usefixtures("no_dist_env")

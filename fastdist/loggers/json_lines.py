@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 from fastdist.checks import check_file_path
-from fastdist.loggers.backend import Logger, RunContext
+from fastdist.loggers.backend import Logger, RunContext, file_identity
 
 DEFAULT_FILE_NAME = "log.jsonl"
 
@@ -72,7 +72,7 @@ def writes_run_log(backends: list[Logger], save_path: str) -> bool:
     """Whether one of ``backends`` is a :class:`JsonLogger` writing the run's own log,
     ``save_path/log.jsonl`` (another path does not: that file is still written)."""
     run = RunContext(save_path, 0)
-    log = os.path.realpath(JsonLogger().destination(run))
+    log = file_identity(JsonLogger().destination(run))  # a hard link is the same file
     return any(
-        isinstance(b, JsonLogger) and os.path.realpath(b.destination(run)) == log for b in backends
+        isinstance(b, JsonLogger) and file_identity(b.destination(run)) == log for b in backends
     )
