@@ -138,7 +138,7 @@ def check_loggers(
         raise ValueError("loggers holds the same backend object twice: pass each backend once")
     every = [(f"a {type(b).__name__} in loggers", b) for b in loggers]
     every += [(f"the {type(b).__name__} of {where}", b) for where, b in others]
-    run, writers = RunContext(save_path, 0), dict[Any, str]()
+    run, writers = RunContext(save_path, 0), dict[Any, tuple[str, str]]()
     for words, backend in every:
         kind = type(backend)
         if kind.one_per_process and sum(type(b) is kind for _, b in every) > 1:
@@ -149,12 +149,12 @@ def check_loggers(
         where = backend.destination(run)
         if where is None:
             continue
-        first = writers.setdefault(file_identity(where), words)
+        first, path = writers.setdefault(file_identity(where), (words, where))
         if first is not words:
             raise ValueError(
-                f"{first} and {words} both write {os.path.realpath(where)!r} (every record "
-                "would be written twice, interleaved): keep one of them, or give each its own "
-                "path"
+                f"{first} ({path!r}) and {words} ({where!r}) both write one file or directory "
+                f"{os.path.realpath(where)!r} (every record would be written twice, "
+                "interleaved): keep one of them, or give each its own path"
             )
     return loggers
 
