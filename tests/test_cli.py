@@ -86,6 +86,12 @@ def test_plot_names_a_bad_input_or_output_without_a_traceback(
     for out in (tmp_path, log / "x.png"):  # a directory; under a file
         assert main(["plot", str(log), "-o", str(out)]) == 1
         assert f"fastdist plot: cannot write {out}: " in capsys.readouterr().err
+    notes = tmp_path / "notes.txt"  # nothing saved is written over: an input, a non-PNG
+    notes.write_text("keep me")
+    for out, words in ((log, "is a log it reads"), (notes, "exists and is not a PNG")):
+        assert main(["plot", str(log), "-o", str(out)]) == 1
+        assert f"-o {out} {words}: pass" in capsys.readouterr().err
+    assert notes.read_text() == "keep me" and log.read_text().startswith("{")
     for dpi in ("0", "100000"):
         with pytest.raises(SystemExit) as exit_:
             main(["plot", str(log), "--dpi", dpi, "-o", str(tmp_path / "x.png")])

@@ -22,7 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from fastdist.checkpoint.export import refuse_in_checkpoints
 from fastdist.loggers.json_lines import DEFAULT_FILE_NAME
+
+#: The first bytes of every PNG file.
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 Record = dict[str, Any]
 # Keys of an "eval" record that are not metric values.
@@ -61,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     """Read every RUN and write the PNG; return 0, or 1 with a message on stderr."""
     try:
         paths = [resolve_log(run) for run in args.runs]
+        check_output(args.output, paths)
         runs = {name: load_run(path) for name, path in zip(run_names(paths), paths, strict=True)}
     except PlotError as exc:
         print(f"fastdist plot: {exc}", file=sys.stderr)
@@ -76,6 +81,21 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"wrote {args.output} ({len(runs)} run(s): {', '.join(runs)})")
     return 0
+
+
+def check_output(output: str, logs: Sequence[Path]) -> None:
+    """Refuse an ``output`` that would replace something saved: a log it reads, a file in a
+    checkpoint directory, or any existing file that is not a PNG."""
+    if any(os.path.realpath(output) == os.path.realpath(log) for log in logs):
+        raise PlotError(f"-o {output} is a log it reads: pass a .png path")
+    try:
+        refuse_in_checkpoints("-o", output)
+    except ValueError as exc:
+        raise PlotError(str(exc)) from exc
+    if os.path.isfile(output):
+        with open(output, "rb") as f:
+            if f.read(len(PNG_SIGNATURE)) != PNG_SIGNATURE:
+                raise PlotError(f"-o {output} exists and is not a PNG: pass another path")
 
 
 def _dpi(value: str) -> int:
