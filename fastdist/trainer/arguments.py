@@ -56,6 +56,7 @@ class Arguments:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     loss_fn: Callable[[Any, Any], Any]
+    loss: Any  # as given (a torch loss module inside loss_fn's closure): the ranks compare it
     metrics: list[Metric]
     metric_key: str
     larger_better: bool
@@ -126,6 +127,7 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
         model=model,
         optimizer=optimizer,
         loss_fn=loss_fn,
+        loss=given["loss"],
         metrics=metrics,
         metric_key=metric_key,
         larger_better=larger_better,

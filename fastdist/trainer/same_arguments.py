@@ -10,9 +10,12 @@ free: the device, paths, data-loading workers, the timeout, ``callbacks_master``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Sized
 from typing import Any
+
+from torch import nn
 
 from fastdist.checkpoint.identity import identity
 from fastdist.distributed import all_gather_object
@@ -54,9 +57,11 @@ def describe(args: Arguments) -> dict[str, str]:
         "model": "state-dict entries and shapes " + hashlib.sha1(model).hexdigest()[:12],
         "optimizer": f"{type(optimizer).__qualname__}, {len(optimizer.param_groups)} group(s)",
         **groups,
-        "loss": _name(args.loss_fn),
-        "metrics": repr([_name(m) for m in args.metrics]),
-        "callbacks_all": repr([_name(cb) for cb in args.callbacks_all]),
+        "loss": _settings(args.loss),
+        "metrics": repr([_settings(m) for m in args.metrics]),
+        "callbacks_all": repr([_settings(cb) for cb in args.callbacks_all]),
+        "sampler": _name(args.sampler) if args.sampler is not None else "None",
+        "batch_sampler": _name(args.batch_sampler) if args.batch_sampler is not None else "None",
     }
 
 
@@ -78,6 +83,27 @@ def check_same_arguments(args: Arguments, group: Any) -> None:
         "arguments (the same script and command line; only device, paths, data-loading "
         "workers, timeout and callbacks_master may differ)"
     )
+
+
+def _settings(obj: Any) -> str:
+    """``obj``'s class and, for fastdist's, torch's and torchmetrics' classes, the numbers and
+    flags it holds and those of a scheduler (any ``state_dict()``) it holds: what sets how it
+    trains (a clip value, a warm-up, a decay, a label smoothing). A user's class gives its name
+    only (it may hold its rank), and strings are left out (a per-rank path is no difference)."""
+    numbers: dict[str, Any] = {}
+    known = type(obj).__module__.split(".")[0] in ("fastdist", "torch", "torchmetrics")
+    for name, value in sorted(vars(obj).items()) if known and hasattr(obj, "__dict__") else []:
+        if isinstance(value, (bool, int, float)):
+            numbers[name] = value
+        elif callable(getattr(value, "state_dict", None)) and not isinstance(value, nn.Module):
+            with contextlib.suppress(Exception):  # a scheduler's; an optimizer's is compared
+                state = value.state_dict()
+                numbers |= {
+                    f"{name}.{k}": v
+                    for k, v in sorted(state.items())
+                    if isinstance(v, (bool, int, float))
+                }
+    return f"{_name(obj)}({', '.join(f'{k}={v!r}' for k, v in numbers.items())})"
 
 
 def _short(value: str) -> str:
