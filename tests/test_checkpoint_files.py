@@ -137,6 +137,21 @@ def test_an_unrecorded_newest_checkpoint_is_resumed_not_overwritten(
     assert (checkpoints / "step-00000006.pt").read_bytes() == saved  # never rewritten
 
 
+def test_an_unrecorded_sharded_checkpoint_missing_a_shard_is_skipped(tmp_path: Path) -> None:
+    """An unlisted sharded checkpoint (no checksums) with a shard gone: named in a warning and
+    skipped, as a listed one whose checksums fail; the run resumes from the one before."""
+    trainer(tmp_path, checkpoint_every=2, strategy="fsdp").train()
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "manifest.json").write_text(json.dumps(manifest(checkpoints)[:-1]))
+    shard = next((checkpoints / "step-00000006").glob("*.distcp"))
+    shard.unlink()
+    counter = CountUpdates()
+    make_trainer(
+        counter, save_path=str(tmp_path), checkpoint_every=2, n_epochs=2, strategy="fsdp"
+    ).train()
+    assert counter.updates == 8  # from update 4 on
+
+
 def test_pruning_removes_only_the_runs_own_checkpoints(tmp_path: Path) -> None:
     """A run prunes what it wrote and what it continues, never another run's checkpoint."""
     CheckpointDir(str(tmp_path), keep=1).save({"run": 1}, 1)

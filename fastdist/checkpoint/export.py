@@ -39,6 +39,7 @@ from fastdist.checkpoint.files import (
 )
 from fastdist.checkpoint.format1 import upgrade
 from fastdist.checkpoint.resume import Candidate, listed, unverified
+from fastdist.checkpoint.sharded import checked_metadata
 from fastdist.checks import check_choice, check_writable_dir, describe
 from fastdist.logging import logger
 
@@ -264,17 +265,9 @@ def _sharded_model(path: str) -> dict[str, torch.Tensor]:
     shaped as its metadata says, filled in place by ``dcp.load`` (which reassembles the
     shards of any number of ranks). The optimizer's shards are not read."""
     import torch.distributed.checkpoint as dcp  # ~0.7 s with DTensor: sharded checkpoints only
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as exc:  # truncated, empty: DCP's own error names no file
-        raise ValueError(
-            f"{os.path.join(path, '.metadata')} cannot be read ({type(exc).__name__}: "
-            f"{_first_line(exc)}); export an earlier checkpoint of its directory"
-        ) from exc
-    _check_shard_sizes(path, metadata)
+    metadata = checked_metadata(path, "export an earlier checkpoint of its directory")
     model = {}
     for key, meta in metadata.state_dict_metadata.items():
         part, *name = metadata.planner_data[key]  # the nested path: ("model", "fc.weight")
@@ -287,23 +280,6 @@ def _sharded_model(path: str) -> dict[str, torch.Tensor]:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"model": model}, checkpoint_id=path, no_dist=True)
     return model
-
-
-def _check_shard_sizes(path: str, metadata: Any) -> None:
-    """Raise, naming the file, if a shard is shorter than the DCP ``metadata`` of ``path``
-    says (cut short: DCP's own error names no file)."""
-    needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        end = info.offset + info.length
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for name, size in sorted(needed.items()):
-        shard = os.path.join(path, name)
-        held = os.path.getsize(shard) if os.path.isfile(shard) else 0
-        if held < size:
-            raise ValueError(
-                f"{shard} is truncated or missing: {held} bytes where the checkpoint's "
-                f"metadata needs {size}; export an earlier checkpoint of its directory"
-            )
 
 
 def _safetensors(name: str) -> Any:

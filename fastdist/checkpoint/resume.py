@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from fastdist.checkpoint.files import CheckpointDir, crc32, expected_checksums, load_checkpoint
+from fastdist.checkpoint.sharded import checked_metadata
 from fastdist.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
 from fastdist.logging import logger
 
@@ -89,6 +90,8 @@ def _verify(
     (naming the file) and ``None``, or ``None`` and the checkpoint."""
     try:
         problem = mismatch(sorted(candidate.checksums.items())[rank::world_size])
+        if not candidate.checksums and os.path.isdir(candidate.path):  # a sharded one, unlisted
+            checked_metadata(candidate.path, "its shards are not whole")
         return (problem, None) if problem else (None, load_checkpoint(candidate.path))
     except Exception as exc:  # missing, unreadable, not a checkpoint: agreed on as a mismatch
         return f"{type(exc).__name__}: {exc}", None

@@ -119,3 +119,32 @@ def load_shards(state: dict[str, Any], path: str, group: Any = None) -> None:
             f"the shards of checkpoint {path} do not load ({type(exc).__name__}: {exc}); "
             "resume from another checkpoint"
         ) from exc
+
+
+def checked_metadata(path: str, fix: str) -> Any:
+    """The DCP metadata of the sharded checkpoint ``path``, once every shard it names is there
+    and long enough; else a ``ValueError`` naming the file and ending with ``fix`` (DCP's own
+    errors name no file)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # truncated, empty
+        line = (str(exc).strip().splitlines() or [""])[0][:100]
+        raise ValueError(
+            f"{os.path.join(path, '.metadata')} cannot be read ({type(exc).__name__}: {line}); "
+            f"{fix}"
+        ) from exc
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        shard = os.path.join(path, name)
+        held = os.path.getsize(shard) if os.path.isfile(shard) else 0
+        if held < size:
+            raise ValueError(
+                f"{shard} is truncated or missing: {held} bytes where the checkpoint's "
+                f"metadata needs {size}; {fix}"
+            )
+    return metadata
