@@ -163,10 +163,13 @@ def test_command_names_a_setup_that_raises_or_returns_no_dict(
     assert f"SETUP {script}:boom raised RuntimeError: no data here ({script}, line 2)" in err
     assert "Traceback" not in err
     assert main(["estimate", f"{script}:none"]) == 1
-    assert (
-        "returned NoneType: return a dict with model, optimizer and batch"
-        in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "returned NoneType: return a dict with model, optimizer and batch" in err
+    script.write_text(
+        "import torch\ndef one():\n    return {'model': 1, 'optimizer': 2, 'batch': 3}\n"
     )
+    assert main(["estimate", f"{script}:one"]) == 1
+    assert "returned model=int: return a torch.nn.Module" in capsys.readouterr().err
 
 
 class ResidualOutside(torch.nn.Module):

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fastdist.checks import check_int
 from fastdist.estimate import estimate_memory, parse_bytes, table
 from fastdist.strategies import DDP, FSDP, Pipeline, Strategy
@@ -96,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, KeyError, ImportError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except RuntimeError as exc:  # the model's forward or backward on SETUP's batch
+        line = (str(exc).strip().splitlines() or [""])[0]
+        print(f"error: the model failed on SETUP's batch ({line}): fix the batch", file=sys.stderr)
+        return 1
     print(table([stage for e in estimates for stage in e.stages or [e]], budget))
     return 0
 
@@ -133,5 +139,16 @@ def load_setup(spec: str) -> dict[str, Any]:
         )
     missing = [k for k in ("model", "optimizer", "batch") if k not in setup]
     if missing:
-        raise KeyError(f"{spec} returned no {', '.join(missing)}: return a dict with them")
+        raise ValueError(f"{spec} returned no {', '.join(missing)}: return a dict with them")
+    kinds: dict[str, tuple[type | tuple[type, ...], str]] = {
+        "model": (torch.nn.Module, "a torch.nn.Module"),
+        "optimizer": (torch.optim.Optimizer, "a torch.optim.Optimizer"),
+        "batch": ((dict, tuple, list, torch.Tensor), "a batch (a dict, tuple or tensor)"),
+    }
+    for key, (kind, words) in kinds.items():
+        if not isinstance(setup[key], kind):
+            given = type(setup[key]).__name__
+            raise TypeError(f"SETUP {spec} returned {key}={given}: return {words}")
+    if not any(p.requires_grad for p in setup["model"].parameters()):
+        raise ValueError(f"SETUP {spec} returned a model with no trainable parameters")
     return dict(setup)
