@@ -94,7 +94,8 @@ def _verify(
             checked_metadata(candidate.path, "its shards are not whole")
         return (problem, None) if problem else (None, load_checkpoint(candidate.path))
     except Exception as exc:  # missing, unreadable, not a checkpoint: agreed on as a mismatch
-        return f"{type(exc).__name__}: {exc}", None
+        unlisted = "" if candidate.checksums else " (not in the manifest: cut short?)"
+        return f"{type(exc).__name__}: {exc}{unlisted}", None
 
 
 def mismatch(checksums: Iterable[tuple[str, int]]) -> str | None:

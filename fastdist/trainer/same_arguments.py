@@ -75,7 +75,7 @@ def check_same_arguments(args: Arguments, group: Any) -> None:
     for key in differ[:5]:
         values: dict[str, list[int]] = {}
         for rank, found in enumerate(ranks):
-            values.setdefault(found.get(key, "?"), []).append(rank)
+            values.setdefault(found.get(key, "(none)"), []).append(rank)
         parts.append(f"{key}: " + ", ".join(f"{_short(v)} on ranks {r}" for v, r in values.items()))
     raise ValueError(
         "DistTrainer was given different arguments on different ranks, which would train "
