@@ -26,6 +26,7 @@ from fastdist.trainer.check_resume import overridden
 from fastdist.trainer.data_arguments import (
     check_collate,
     check_dataset,
+    check_dev_data,
     check_enough_samples,
     check_samplers,
     epoch_batches,
@@ -83,8 +84,7 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
     model, train_data, dev_data = given["model"], given["train_data"], given["dev_data"]
     check_model(model)
     stream = isinstance(train_data, IterableDataset)
-    if dev_data is not None:
-        check_dataset("dev_data", dev_data)
+    check_dev_data(dev_data, options.validate_every)
     sampler, batch_sampler = given["sampler"], given["batch_sampler"]
     check_samplers(sampler, batch_sampler, stream, options.drop_last)
     n_train = None if stream else check_dataset("train_data", train_data)
@@ -93,11 +93,6 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
         check_enough_samples(n_train // shards, options.batch_size_per_gpu, options.drop_last)
         options.strategy.check_batches(
             epoch_batches(n_train, shards, options), options.update_every
-        )
-    if options.validate_every != -1 and dev_data is None:
-        raise ValueError(
-            f"validate_every={options.validate_every} evaluates dev_data, but none was given: "
-            "pass dev_data= (with metrics=), or leave validate_every out"
         )
     metrics = check_metrics(given["metrics"], dev_data is not None, options.metric_key)
     metric_key, larger_better = resolve_metric_key(options.metric_key, metrics)

@@ -52,6 +52,18 @@ def check_dataset(name: str, data: Any) -> int:
     return len(data)
 
 
+def check_dev_data(dev_data: Any, validate_every: int) -> None:
+    """``dev_data`` is ``None`` or a dataset of at least one sample; ``validate_every`` other
+    than its default needs it."""
+    if dev_data is not None:
+        check_dataset("dev_data", dev_data)
+    elif validate_every != -1:
+        raise ValueError(
+            f"validate_every={validate_every} evaluates dev_data, but none was given: pass "
+            "dev_data= (with metrics=), or leave validate_every out"
+        )
+
+
 def check_samplers(sampler: Any, batch_sampler: Any, stream: bool, drop_last: bool) -> None:
     """At most one of them, each with ``__len__`` (this rank's samples or batches) and
     ``__iter__``; none for a stream (``stream``: train_data is an ``IterableDataset``); a batch
