@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
+import os
 from collections.abc import Sized
 from typing import Any
 
-from torch import nn
+import torch
 
 from fastdist.checkpoint.identity import identity
 from fastdist.distributed import all_gather_object
@@ -57,9 +59,11 @@ def describe(args: Arguments) -> dict[str, str]:
         "model": "state-dict entries and shapes " + hashlib.sha1(model).hexdigest()[:12],
         "optimizer": f"{type(optimizer).__qualname__}, {len(optimizer.param_groups)} group(s)",
         **groups,
-        "loss": _settings(args.loss),
-        "metrics": repr([_settings(m) for m in args.metrics]),
-        "callbacks_all": repr([_settings(cb) for cb in args.callbacks_all]),
+        "save_path given": repr(args.options.save_path is not None),  # a rank writes alone
+        "checkpoint_dir given": repr(args.options.checkpoint_dir is not None),
+        **_settings(args.loss, "loss"),
+        **_all_settings(args.metrics, "metrics"),
+        **_all_settings(args.callbacks_all, "callbacks_all"),
         "sampler": _name(args.sampler) if args.sampler is not None else "None",
         "batch_sampler": _name(args.batch_sampler) if args.batch_sampler is not None else "None",
     }
@@ -85,25 +89,45 @@ def check_same_arguments(args: Arguments, group: Any) -> None:
     )
 
 
-def _settings(obj: Any) -> str:
-    """``obj``'s class and, for fastdist's, torch's and torchmetrics' classes, the numbers and
-    flags it holds and those of a scheduler (any ``state_dict()``) it holds: what sets how it
-    trains (a clip value, a warm-up, a decay, a label smoothing). A user's class gives its name
-    only (it may hold its rank), and strings are left out (a per-rank path is no difference)."""
-    numbers: dict[str, Any] = {}
-    known = type(obj).__module__.split(".")[0] in ("fastdist", "torch", "torchmetrics")
-    for name, value in sorted(vars(obj).items()) if known and hasattr(obj, "__dict__") else []:
-        if isinstance(value, (bool, int, float)):
-            numbers[name] = value
-        elif callable(getattr(value, "state_dict", None)) and not isinstance(value, nn.Module):
-            with contextlib.suppress(Exception):  # a scheduler's; an optimizer's is compared
-                state = value.state_dict()
-                numbers |= {
-                    f"{name}.{k}": v
-                    for k, v in sorted(state.items())
-                    if isinstance(v, (bool, int, float))
-                }
-    return f"{_name(obj)}({', '.join(f'{k}={v!r}' for k, v in numbers.items())})"
+def _all_settings(items: list[Any], name: str) -> dict[str, str]:
+    """``{name: their classes}`` and each one's settings (see :func:`_settings`)."""
+    found = {name: repr([_name(item) for item in items])}
+    for i, item in enumerate(items):
+        found |= _settings(item, f"{name}[{i}]")
+    return found
+
+
+def _settings(obj: Any, prefix: str) -> dict[str, str]:
+    """``{prefix: its class}`` and, for a class of fastdist's, torch's or torchmetrics' own,
+    ``{prefix.name: value}`` for each argument of its constructor that it keeps under that
+    name: a number, flag, short setting string or tensor (a clip value, a warm-up schedule, a
+    label smoothing, class weights), and so on into a scheduler it holds. A user's class, or
+    anything it added, gives its class only: it may hold its rank or the time; paths are no
+    difference."""
+    found = {prefix: _name(obj)}
+    if type(obj).__module__.split(".")[0] not in ("fastdist", "torch", "torchmetrics"):
+        return found
+    with contextlib.suppress(TypeError, ValueError):  # a builtin: no signature
+        for name in inspect.signature(type(obj)).parameters:
+            value = getattr(obj, name, None)
+            if isinstance(value, torch.optim.lr_scheduler.LRScheduler):
+                found |= _settings(value, f"{prefix}.{name}")
+            elif (shown := _setting(name, value)) is not None:
+                found[f"{prefix}.{name}"] = shown
+    return found
+
+
+def _setting(name: str, value: Any) -> str | None:
+    """``value`` of constructor argument ``name`` as compared, or ``None`` (not compared)."""
+    if isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str):  # "norm", "cosine"; not a path or a name, which may differ
+        pathlike = any(word in name for word in ("dir", "path", "file", "name", "tag"))
+        return None if pathlike or os.sep in value else repr(value)
+    if isinstance(value, torch.Tensor) and value.numel() <= 1 << 20:  # class weights
+        data = value.detach().cpu().contiguous().numpy().tobytes()
+        return f"tensor {tuple(value.shape)} {hashlib.sha1(data).hexdigest()[:12]}"
+    return None
 
 
 def _short(value: str) -> str:
