@@ -48,3 +48,10 @@ def test_settings_that_change_training_are_compared() -> None:
     assert _settings(weights[0], "loss") != _settings(weights[1], "loss")
     sums = [nn.CrossEntropyLoss(reduction=kind) for kind in ("mean", "sum")]
     assert _settings(sums[0], "loss")["loss.reduction"] == "'mean'"
+
+
+def test_tensors_of_any_dtype_or_device_are_named() -> None:
+    bf16 = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0], dtype=torch.bfloat16))
+    assert _settings(bf16, "loss")["loss.weight"].startswith("tensor (2,) torch.bfloat16 ")
+    meta = nn.CrossEntropyLoss(weight=torch.ones(2, device="meta"))
+    assert _settings(meta, "loss")["loss.weight"] == "tensor (2,) torch.float32"

@@ -124,9 +124,13 @@ def _setting(name: str, value: Any) -> str | None:
     if isinstance(value, str):  # "norm", "cosine"; not a path or a name, which may differ
         pathlike = any(word in name for word in ("dir", "path", "file", "name", "tag"))
         return None if pathlike or os.sep in value else repr(value)
-    if isinstance(value, torch.Tensor) and value.numel() <= 1 << 20:  # class weights
-        data = value.detach().cpu().contiguous().numpy().tobytes()
-        return f"tensor {tuple(value.shape)} {hashlib.sha1(data).hexdigest()[:12]}"
+    if isinstance(value, torch.Tensor):  # class weights: their bytes where they can be read
+        shown = f"tensor {tuple(value.shape)} {value.dtype}"
+        with contextlib.suppress(Exception):  # on the meta device, too large
+            if value.numel() <= 1 << 20:
+                data = value.detach().cpu().flatten().view(torch.uint8).numpy().tobytes()
+                shown += " " + hashlib.sha1(data).hexdigest()[:12]
+        return shown
     return None
 
 
