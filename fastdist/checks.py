@@ -23,6 +23,13 @@ def describe(value: object) -> str:
     return shown
 
 
+def first_line(exc: BaseException, limit: int = 100) -> str:
+    """The first line of ``exc``'s message, cut to ``limit`` characters, for a one-line error
+    that quotes it (torch's and DCP's run over many lines)."""
+    line = (str(exc).strip().splitlines() or [""])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def check_int(name: str, value: object, minimum: int, fix: str = "") -> None:
     """Raise ``ValueError`` unless ``value`` is an integer (not a bool) ``>= minimum``; the
     message ends with ``fix`` if given."""

@@ -40,7 +40,7 @@ from fastdist.checkpoint.files import (
 from fastdist.checkpoint.format1 import upgrade
 from fastdist.checkpoint.resume import Candidate, listed, unverified
 from fastdist.checkpoint.sharded import checked_metadata
-from fastdist.checks import check_choice, check_writable_dir, describe
+from fastdist.checks import check_choice, check_writable_dir, describe, first_line
 from fastdist.logging import logger
 
 FORMATS = ("torch", "safetensors", "hf")
@@ -246,18 +246,13 @@ def _load(path: str) -> dict[str, Any]:
         if isinstance(exc, (OSError, ValueError)) and path in str(exc):
             raise  # a missing file, an incomplete sharded one: named already
         # weights_only=False for what it cannot unpickle, which fastdist never needs
-        detail = f"{type(exc).__name__}: {_first_line(exc)}"
+        detail = f"{type(exc).__name__}: {first_line(exc)}"
         if isinstance(exc, pickle.UnpicklingError):
             detail = "no torch.save file of tensors and plain data"
         raise ValueError(
             f"{path} is not a checkpoint: torch.load cannot read it ({detail}); pass a step-* "
             "file or directory fastdist wrote, or a checkpoint directory"
         ) from exc
-
-
-def _first_line(exc: Exception) -> str:
-    line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return line if len(line) <= 100 else line[:97] + "..."
 
 
 def _sharded_model(path: str) -> dict[str, torch.Tensor]:

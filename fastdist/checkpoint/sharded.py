@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from fastdist.checkpoint.files import crc32, fsync_dir
 from fastdist.checkpoint.temps import lock_temp
+from fastdist.checks import first_line
 from fastdist.distributed import is_distributed
 
 _SHARD_FILE = re.compile(r"__(\d+)_")  # DCP's FileSystemWriter names rank R's files __R_*
@@ -130,10 +131,9 @@ def checked_metadata(path: str, fix: str) -> Any:
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as exc:  # truncated, empty
-        line = (str(exc).strip().splitlines() or [""])[0][:100]
         raise ValueError(
-            f"{os.path.join(path, '.metadata')} cannot be read ({type(exc).__name__}: {line}); "
-            f"{fix}"
+            f"{os.path.join(path, '.metadata')} cannot be read ({type(exc).__name__}: "
+            f"{first_line(exc)}); {fix}"
         ) from exc
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():

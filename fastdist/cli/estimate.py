@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fastdist.checks import check_int
+from fastdist.checks import check_int, first_line
 from fastdist.estimate import estimate_memory, parse_bytes, table
 from fastdist.strategies import DDP, FSDP, Pipeline, Strategy
 
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except RuntimeError as exc:  # the model's forward or backward on SETUP's batch
-        line = (str(exc).strip().splitlines() or [""])[0]
+        line = first_line(exc, limit=200)
         print(f"error: the model failed on SETUP's batch ({line}): fix the batch", file=sys.stderr)
         return 1
     print(table([stage for e in estimates for stage in e.stages or [e]], budget))
