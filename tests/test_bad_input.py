@@ -45,7 +45,7 @@ from torch.utils.data import Dataset, IterableDataset, RandomSampler
 from workers.trainer_worker import ToyData, ToyNet
 
 from fastdist import DDP, FSDP, AccuracyMetric, Callback, CrossEntropyLoss
-from fastdist.callbacks import EarlyStopCallback
+from fastdist.callbacks import EarlyStopCallback, LRSchedulerCallback, WarmupCallback
 from fastdist.data import TokenBatchSampler
 from fastdist.distributed import get_rank
 
@@ -136,6 +136,17 @@ def _same_callback_twice() -> dict[str, Any]:
     return {"callbacks_all": [cb], "callbacks_master": [cb]}
 
 
+def _plateau(mode: str = "max", evaluates: bool = True, own: bool = True) -> dict[str, Any]:
+    model = ToyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepped = optimizer if own else torch.optim.SGD(ToyNet().parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(stepped, mode=mode)
+    given = {"model": model, "optimizer": optimizer}
+    if evaluates:
+        given |= {"dev_data": ToyData(8), "metrics": AccuracyMetric()}
+    return given | {"callbacks_all": [LRSchedulerCallback(plateau)]}
+
+
 NOT_WRITABLE = "pass a directory it can create and write to, or fix the permissions"
 DEVICES = "'auto' (or None), 'cpu', 'cuda', 'cuda:N'"
 FIELDS = "the batch's fields are ['input', 'target', 'idx']"
@@ -218,6 +229,26 @@ ROWS: dict[str, Row] = {
         _same_callback_twice,
         "ValueError: EarlyStopCallback object is given twice | callbacks_all and "
         "callbacks_master | pass each callback once",
+    ),
+    "changes_training_on_rank_0_only": row(
+        lambda: {"callbacks_master": [WarmupCallback(warmup=2)]},
+        "ValueError: WarmupCallback in callbacks_master changes training on rank 0 only | "
+        "put it in callbacks_all",
+    ),
+    "plateau_reads_the_score_the_wrong_way": row(
+        lambda: _plateau(mode="min"),
+        "ValueError: ReduceLROnPlateau(mode='min') would reduce the learning rate while acc "
+        "improves (larger is better) | pass mode='max'",
+    ),
+    "plateau_without_evaluation": row(
+        lambda: _plateau(evaluates=False),
+        "ValueError: LRSchedulerCallback(interval='evaluation') | there is none | "
+        "pass dev_data= and metrics=",
+    ),
+    "scheduler_of_another_optimizer": row(
+        lambda: _plateau(own=False),
+        "ValueError: ReduceLROnPlateau steps another optimizer than the trainer's | build it "
+        "on the optimizer= you pass to DistTrainer",
     ),
     "two_callbacks_one_state_key": row(
         lambda: {"callbacks_all": [Keyed(), Keyed()]},

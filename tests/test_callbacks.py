@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
-from workers.trainer_worker import ToyData, make_trainer, on
+from workers.trainer_worker import ToyData, ToyNet, make_trainer, on
 
 from fastdist import AccuracyMetric, Callback, CrossEntropyLoss
 from fastdist.callbacks import (
@@ -217,16 +217,48 @@ class CountingScheduler:
         self.steps += 1
 
 
-@pytest.mark.parametrize("interval", ["step", "epoch"])
+@pytest.mark.parametrize("interval", ["step", "epoch", "evaluation"])
 def test_lr_scheduler_interval(interval: str) -> None:
     scheduler = CountingScheduler()
     callback = LRSchedulerCallback(scheduler, interval=interval)
     for _ in range(3):
         callback.on_step_end()
+    callback.on_valid_end({"acc": 0.5}, "acc", True)
+    callback.on_valid_end({"acc": 0.5}, "acc", False)
     callback.on_epoch_end()
-    assert scheduler.steps == (3 if interval == "step" else 1)
+    assert scheduler.steps == {"step": 3, "evaluation": 2, "epoch": 1}[interval]
     with pytest.raises(ValueError, match="interval"):
         LRSchedulerCallback(scheduler, interval="batch")
+
+
+def test_reduce_lr_on_plateau_steps_on_each_evaluation_score() -> None:
+    """A ReduceLROnPlateau steps after every evaluation on the metric_key score: the learning
+    rates after each are those of a scheduler stepped by hand on the same scores."""
+    model = ToyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)  # too small to move accuracy
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, "max", 0.5, patience=0)
+    seen: list[tuple[float, float]] = []  # (score, learning rate after the scheduler's step)
+    record = on("on_valid_end", lambda t, result, key, _: seen.append((result[key], lr(t))))
+    callbacks = [LRSchedulerCallback(plateau), record]
+    trainer = make_trainer(
+        32, model, optimizer=optimizer, callbacks_all=callbacks, n_epochs=4,
+        dev_data=ToyData(8), metrics=AccuracyMetric(),
+    )  # fmt: skip
+    trainer.train()
+    by_hand = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1e-6)
+    replay = torch.optim.lr_scheduler.ReduceLROnPlateau(by_hand, "max", 0.5, patience=0)
+    expected = []
+    for score, _ in seen:
+        replay.step(score)
+        expected.append(by_hand.param_groups[0]["lr"])
+    assert len(seen) == 4 and [rate for _, rate in seen] == expected
+    assert expected[-1] <= 1e-6 / 8  # constant scores: halved at evaluations 2, 3 and 4
+    with pytest.raises(ValueError, match="a ReduceLROnPlateau steps on a score"):
+        LRSchedulerCallback(plateau, interval="epoch")
+
+
+def lr(trainer: Any) -> float:
+    return float(trainer.optimizer.param_groups[0]["lr"])
 
 
 def _model_with_grads(scale: float) -> nn.Linear:

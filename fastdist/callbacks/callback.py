@@ -68,6 +68,9 @@ class Callback:
     """
 
     trainer: TrainerView
+    #: Whether this callback changes training (learning rate, gradients), so that every rank
+    #: must run it: ``DistTrainer`` refuses it in ``callbacks_master``. Set it on your own.
+    changes_training: bool = False
 
     def on_train_begin(self) -> None:
         """Before the first epoch."""

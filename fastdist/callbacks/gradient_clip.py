@@ -41,6 +41,8 @@ class GradientClipCallback(Callback):
         >>> clip = GradientClipCallback(clip_value=1.0, clip_type="norm")
     """
 
+    changes_training = True
+
     def __init__(self, clip_value: float = 1.0, clip_type: str = "norm", parameters=None) -> None:
         if clip_type not in ("norm", "value"):
             raise ValueError(f"clip_type must be 'norm' or 'value', got {clip_type!r}")

@@ -21,6 +21,8 @@ class WarmupCallback(Callback):
         >>> warmup = WarmupCallback(warmup=0.1, schedule="linear")
     """
 
+    changes_training = True
+
     def __init__(self, warmup: float = 0.1, schedule: str = "constant") -> None:
         if schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"schedule must be 'constant', 'linear' or 'cosine', got {schedule!r}")

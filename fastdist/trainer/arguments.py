@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from fastdist.callbacks.callback import Callback, state_keys
+from fastdist.callbacks.lr_scheduler import LRSchedulerCallback
 from fastdist.callbacks.run_log import RunLogCallback
 from fastdist.checkpoint.export import check_format
 from fastdist.checks import check_instance, check_list, check_writable_dir, describe
@@ -102,6 +103,9 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
     check_optimizer(optimizer, model)
     loss_fn = check_loss(given["loss"])
     callbacks = check_callbacks(given["callbacks_all"], given["callbacks_master"])
+    for cb in callbacks[0]:
+        if isinstance(cb, LRSchedulerCallback):
+            cb.check(optimizer, dev_data is not None, metric_key, larger_better)
     collate_fn = check_collate(given["collate_fn"])
     check_format("best_model_format", options.best_model_format, model)
     device = resolve_device(options.device)
@@ -251,8 +255,8 @@ def _backends(callbacks: tuple[list[Any], list[Any]]) -> list[tuple[str, Logger]
 
 def check_callbacks(callbacks_all: Any, callbacks_master: Any) -> tuple[list[Any], list[Any]]:
     """Both callback lists: lists of ``Callback`` objects, each object in one place only and
-    each ``state_key`` once per list (on every rank: ``callbacks_master`` are checked here
-    too, though only rank 0 runs them)."""
+    each ``state_key`` once per list, none that changes training in ``callbacks_master`` (on
+    every rank: ``callbacks_master`` are checked here too, though only rank 0 runs them)."""
     lists = {
         name: check_list(name, given, Callback, "fastdist Callback objects", "cb")
         for name, given in (
@@ -270,6 +274,12 @@ def check_callbacks(callbacks_all: Any, callbacks_master: Any) -> tuple[list[Any
                 )
             seen[id(cb)] = name
         state_keys(items, name)  # raises on two callbacks with one state_key
+    for cb in lists["callbacks_master"]:
+        if cb.changes_training:
+            raise ValueError(
+                f"{type(cb).__name__} in callbacks_master changes training on rank 0 only, so "
+                "the ranks would train different models: put it in callbacks_all"
+            )
     return lists["callbacks_all"], lists["callbacks_master"]
 
 
