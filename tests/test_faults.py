@@ -20,6 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from launch import Launch, Result, free_port, run_together, run_torchrun
 
@@ -115,6 +116,25 @@ def test_a_caught_error_and_sys_exit_does_not_hang_the_job(tmp_path: Path) -> No
     assert "[rank 1] rank 1 raised ValueError: boom in forward on purpose" in result.output
     assert re.search(r"exitcode\s*:\s*3\b", result.output), result.describe()
     assert seconds < 40, result.describe()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_rank_with_one_line_and_keeps_the_checkpoints(tmp_path: Path) -> None:
+    """SIGINT on every rank at update 3 (Ctrl-C in a terminal): each rank logs where it
+    stopped and what is saved, no traceback; log.jsonl records it; step 2's checkpoint stays
+    (it printed a KeyboardInterrupt traceback per rank, and log.jsonl said nothing)."""
+    output = _failed("ctrl_c", tmp_path)
+    for rank in range(2):
+        assert (
+            f"[rank {rank}] training interrupted (KeyboardInterrupt: Ctrl-C) at epoch 1, update 3: "
+            "the checkpoints saved so far are kept; train(resume='auto') goes on from the newest"
+        ) in output, output
+    assert f'File "{WORKER}"' not in output and "\nKeyboardInterrupt" not in output, output
+    save = tmp_path / "save"
+    last = json.loads((save / "log.jsonl").read_text().splitlines()[-1])
+    assert (last["kind"], last["error"], last["step"]) == ("exception", "KeyboardInterrupt: ", 3)
+    kept = torch.load(save / "checkpoints" / "step-00000002.pt", weights_only=False)
+    assert kept["parts"]["trainer"]["global_step"] == 2
 
 
 def _worker_line(code: str) -> str:

@@ -15,6 +15,7 @@ from fastdist.distributed.env import note_failure
 from fastdist.distributed.hang_report import describe
 from fastdist.distributed.position import PositionBoard
 from fastdist.logging import logger
+from fastdist.state import TrainerState
 from fastdist.trainer.preemption import sigterm_deferred
 
 # What gloo and nccl put in the message of a collective that timed out or lost a peer.
@@ -43,6 +44,26 @@ def report_failure(exc: BaseException, board: PositionBoard, timeout: float | No
     with sigterm_deferred() as stopping:
         _report(exc, board, timeout, stopping)
         exc.fastdist_reported = True  # type: ignore[attr-defined]
+
+
+def report_interrupt(
+    exc: KeyboardInterrupt, state: TrainerState, saved: Any, tell: Callable[[BaseException], Any]
+) -> None:
+    """Log a Ctrl-C on this rank in one line, no traceback (the excepthook holds it back):
+    where training stopped, and what is saved (``saved``: the checkpoint directory, if any);
+    then ``tell`` the callbacks. torchrun's SIGTERM, which follows its SIGINT at once, waits
+    until then."""
+    with sigterm_deferred():
+        logger.warning(
+            "training interrupted (KeyboardInterrupt: Ctrl-C) at epoch %d, update %d: %s",
+            state.epoch,
+            state.global_step,
+            "the checkpoints saved so far are kept; train(resume='auto') goes on from the newest"
+            if saved
+            else "nothing was saved (no save_path or checkpoint_dir)",
+        )
+        exc.fastdist_reported = True  # type: ignore[attr-defined]
+        tell(exc)
 
 
 def _report(

@@ -18,7 +18,7 @@ from fastdist.distributed import broadcast_object
 from fastdist.logging import logger
 from fastdist.modes import kept_modes
 from fastdist.trainer.build import Run
-from fastdist.trainer.failure import report_failure
+from fastdist.trainer.failure import report_failure, report_interrupt
 from fastdist.trainer.preemption import report_preempted, requeue
 from fastdist.trainer.progress import Progress, log_plan
 from fastdist.trainer.safety import all_finite, check_in_sync, warn_skipped
@@ -37,10 +37,9 @@ class Loop:
         self.state, self.callbacks, self.data = run.state, run.callbacks, run.data
         self.model, self.strategy, self.world = run.model, run.strategy, run.world
         self.precision, self.losses, self.timer = run.precision, run.losses, run.timer
-        self.options = run.options
+        self.options, self.stop_logged = run.options, False  # the stop is logged once per run
         self.progress = Progress(show=False, use_tqdm=False, total=0, initial=0, global_batch=0)
         self.training_modes = TrainingModes(run.model)
-        self.stop_logged = False  # the stop is logged once per run
         run.callbacks.set_trainer(trainer)
 
     def train_epochs(self) -> Agreement:
@@ -285,6 +284,9 @@ class Loop:
                 if agreed.preempted:  # still watching: a second signal must not stop the write
                     self._save_preempted(agreed)
             self._end()
+        except KeyboardInterrupt as exc:  # Ctrl-C: one line, no traceback; the callbacks told
+            report_interrupt(exc, state, self.run.checkpointer.dir, self.callbacks.on_exception)
+            raise
         except (Exception, SystemExit) as exc:  # sys.exit() in a callback: the others would wait
             if not self.run.sigterm.exiting:  # a failure, not the pre-emption's exit
                 report_failure(exc, self.where(), options.timeout)

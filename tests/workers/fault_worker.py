@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -85,6 +86,12 @@ def _sleep_on_rank_1(trainer: DistTrainer) -> None:
         time.sleep(2 * TIMEOUT)  # past the timeout, by a margin for a loaded machine
 
 
+def _ctrl_c(trainer: DistTrainer) -> None:
+    """Ctrl-C in a terminal: SIGINT to every process of the job, each rank in its own code."""
+    signal.raise_signal(signal.SIGINT)
+    time.sleep(5)  # Python raises KeyboardInterrupt here
+
+
 def _rank_1_dies_rank_0_busy(trainer: DistTrainer) -> None:
     """Rank 1 dies; rank 0 is busy far from any collective (a long evaluation, say)."""
     if get_rank() == 1:
@@ -143,6 +150,8 @@ def main(case: str, out: Path) -> None:
         callbacks_all.append(AtStep(2, _rank_1_dies_rank_0_busy))
     if case == "rzf_slow":  # and a master on_train_begin longer than the timeout
         callbacks_master.append(SlowStart())
+    if case == "ctrl_c":
+        callbacks_all.append(AtStep(3, _ctrl_c))
     if case == "inf_weight":  # after the last update (8): caught by the check at the end
         callbacks_all.append(AtStep(8, _poison_weight))
     trainer = DistTrainer(
@@ -161,7 +170,8 @@ def main(case: str, out: Path) -> None:
         on_nonfinite="skip" if case == "nan_skip" else "raise",
         check_sync_every=1 if case in ("master_edit_weight", "nan_skip") else 0,
         sampler=FirstRanksLonger(get_rank()) if case == "uneven" else None,
-        save_path=str(out / "save") if case == "timeout" else None,  # the hang dumps' home
+        save_path=str(out / "save") if case in ("timeout", "ctrl_c") else None,  # hang dumps
+        checkpoint_every=2 if case == "ctrl_c" else 0,
         # a DataLoader worker process of rank 0's own (spawned: a forked one may hang, see
         # fastdist.data.workers), which torchrun's SIGTERM kills while rank 0 reports
         **(
