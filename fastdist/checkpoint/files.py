@@ -39,6 +39,8 @@ from typing import IO, Any
 
 import torch
 
+from fastdist.checks import first_line
+
 MANIFEST = "manifest.json"
 SHARDED_REST = "trainer.pt"  # a sharded checkpoint's every part but the sharded ones
 _STEP_NAME = re.compile(r"step-(\d+)(\.pt)?$")  # a checkpoint's name, as this module writes it
@@ -143,7 +145,7 @@ def write_failure(what: str, path: str, obj: Any, exc: BaseException, fix: str) 
     if usage.free < size or getattr(exc, "errno", None) == errno.ENOSPC:
         cause = f"no space left on its filesystem ({_mib(usage.free)} free)"
     else:
-        cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+        cause = f"{type(exc).__name__}: {first_line(exc, 300)}"
     sized = f" (about {_mib(size)} of tensors)" if size else ""
     return f"could not write {what} {path}{sized}: {cause}; {fix}"
 

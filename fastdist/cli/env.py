@@ -21,6 +21,7 @@ import socket
 import sys
 from typing import Any
 
+from fastdist.checks import first_line
 from fastdist.distributed.env import REQUIRED_VARS, TORCHRUN_VARS, gpu_shortage
 
 # Other variables that change how devices and backends behave.
@@ -168,10 +169,7 @@ def check_process_group(timeout: float = 10.0) -> tuple[bool, str]:
         finally:
             dist.destroy_process_group()
     except Exception as exc:  # any failure is the answer, not a crash of the report
-        return (
-            False,
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}",
-        )
+        return False, f"{type(exc).__name__}: {first_line(exc, 300)}"
     return True, f"formed a gloo group over {url} (world size 1), all-reduce ok"
 
 
