@@ -87,13 +87,20 @@ def test_uneven_stream_ends_together_without_hanging(worlds: Any) -> None:
 
 @pytest.mark.slow
 def test_a_rank_without_items_is_the_same_error_everywhere(worlds: Any) -> None:
-    """One item for two ranks, and none (it trained nothing and said nothing)."""
+    """One item for two ranks, none, and one each that drop_last drops (it trained nothing
+    and said nothing)."""
     _, ranks = worlds(2)
     assert ranks[0]["empty"] == ranks[1]["empty"]
     errors = ranks[0]["empty"]
     assert "gave rank(s) [1] no item" in errors["1"]
     assert "fewer items than its 2 readers" in errors["1"]
     assert "a stream, gave no item in epoch 1 on any rank" in errors["0"]
+    assert "drop_last" not in errors["0"]
+    assert (  # an item per rank, dropped: it said the stream was empty or read once only
+        "gave no item in epoch 1 on any rank: drop_last=True dropped each rank's last batch, "
+        "which held fewer than batch_size_per_gpu=3 items (pass drop_last=False, or a smaller "
+        "batch_size_per_gpu)"
+    ) in errors["2"]
 
 
 @pytest.mark.slow

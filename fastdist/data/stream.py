@@ -137,6 +137,18 @@ class StreamBatches:
             self.loader.load_state_dict(resume["loader"])
         return self._windows(iter(()) if self.exhausted else iter(self.loader))
 
+    def _no_item(self) -> str:
+        """Why no rank got a batch in this epoch: what the stream may be."""
+        why = "it is empty, or it can be read only once (its __iter__ must start anew every epoch)"
+        if getattr(self.loader, "drop_last", False):
+            size = self.loader.batch_size
+            why = (
+                f"drop_last=True dropped each rank's last batch, which held fewer than "
+                f"batch_size_per_gpu={size} items (pass drop_last=False, or a smaller "
+                f"batch_size_per_gpu); or {why}"
+            )
+        return f"train_data, a stream, gave no item in epoch {self.epoch} on any rank: {why}"
+
     def _first_batch(self) -> Any:
         """This rank's first batch of the pass (``None`` if it has none), read without moving
         the stream: what a resumed rank repeats as its fillers (weight 0)."""
@@ -155,11 +167,7 @@ class StreamBatches:
             for j, sizes in enumerate(windows):
                 length = max(map(len, sizes))
                 if not length and self._ends == {0: (0, 0)}:  # every rank's, from the start
-                    raise ValueError(
-                        f"train_data, a stream, gave no item in epoch {self.epoch} on any rank: "
-                        "it is empty, or it can be read only once (its __iter__ must start "
-                        "anew every epoch)"
-                    )
+                    raise ValueError(self._no_item())
                 if not length:  # no rank has a batch left: the epoch ends here, on every rank
                     return
                 own, self._state = group[j]  # a checkpoint after this window resumes there
