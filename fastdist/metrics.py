@@ -105,7 +105,8 @@ class LossMetric(Metric):
     Args:
         loss: a fastdist :class:`~fastdist.losses.Loss` or ``callable(output, batch)`` (their
             own field names apply), a torch loss module (applied to ``pred`` and ``target``),
-            or ``None`` (the output's ``"loss"`` entry).
+            or ``None``: the ``loss`` given to ``DistTrainer`` (the output's ``"loss"`` entry
+            if it has none, or outside a trainer).
         pred: name of the prediction field, for a torch loss module.
         target: name of the target field (for a torch loss module, and the batch size).
 
@@ -127,7 +128,14 @@ class LossMetric(Metric):
             self.loss_fn = module_loss
         else:
             self.loss_fn = as_loss_fn(loss)
+        self.own_loss = loss is not None
         super().__init__(pred, target)
+
+    def use_trainer_loss(self, loss_fn: LossFn) -> None:
+        """Without a loss of its own, compute the trainer's ``loss_fn`` (``DistTrainer`` calls
+        it)."""
+        if not self.own_loss:
+            self.loss_fn = loss_fn
 
     def reset(self) -> None:
         self.total: torch.Tensor | float = 0.0  # a device tensor after the first update

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from sklearn.metrics import precision_recall_fscore_support
+from workers.trainer_worker import ToyData, ToyNet, make_trainer
 
 from fastdist import AccuracyMetric, CrossEntropyLoss
 from fastdist.metrics import ClassifyFPreRecMetric, LossMetric, Metric
@@ -84,6 +85,18 @@ def test_loss_metric_accepts_torch_modules_callables_and_output_loss() -> None:
     named = [({"y_hat": o["pred"]}, {"y": b["target"]}) for o, b in pairs]
     got = run(lambda: LossMetric(torch.nn.CrossEntropyLoss(), pred="y_hat", target="y"), named, 1)
     assert math.isclose(got["loss"], expected, rel_tol=1e-12)
+
+
+def test_loss_metric_without_a_loss_computes_the_trainers() -> None:
+    """LossMetric() beside DistTrainer(loss=...) and a model whose output has no "loss": the
+    trainer's loss, as LossMetric(that loss) computes it (it raised "loss=None needs the model
+    to return a dict with a 'loss' entry" at the first evaluation, after an epoch of
+    training)."""
+    model, dev = ToyNet(), ToyData(8)
+    trainer = make_trainer(16, model, dev_data=dev, metrics=[LossMetric()], n_epochs=1)
+    with torch.no_grad():
+        expected = F.cross_entropy(model(dev.x), dev.target).item()
+    assert math.isclose(trainer.evaluate()["loss"], expected, rel_tol=1e-12)
 
 
 def test_loss_metric_rejects_a_non_scalar_loss() -> None:

@@ -21,7 +21,7 @@ from fastdist.distributed.env import get_local_rank, visible_gpu_count
 from fastdist.evaluation.validator import as_metric_list, resolve_metric_key
 from fastdist.loggers.backend import Logger, check_loggers
 from fastdist.losses import Loss, as_loss_fn
-from fastdist.metrics import Metric
+from fastdist.metrics import LossMetric, Metric
 from fastdist.strategies.registry import BY_NAME
 from fastdist.trainer.check_resume import overridden
 from fastdist.trainer.data_arguments import (
@@ -103,9 +103,7 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
     check_optimizer(optimizer, model)
     loss_fn = check_loss(given["loss"])
     callbacks = check_callbacks(given["callbacks_all"], given["callbacks_master"])
-    for cb in callbacks[0]:
-        if isinstance(cb, LRSchedulerCallback):
-            cb.check(optimizer, dev_data is not None, metric_key, larger_better)
+    link(metrics, callbacks[0], optimizer, loss_fn, dev_data is not None, metric_key, larger_better)
     collate_fn = check_collate(given["collate_fn"])
     check_format("best_model_format", options.best_model_format, model)
     device = resolve_device(options.device)
@@ -138,6 +136,26 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
         collate_fn=collate_fn,
         device=device,
     )
+
+
+def link(
+    metrics: list[Metric],
+    callbacks_all: list[Callback],
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[Any, Any], Any],
+    evaluates: bool,
+    metric_key: str,
+    larger_better: bool,
+) -> None:
+    """What metrics and callbacks take of the other arguments: a ``LossMetric()`` the trainer's
+    loss; an ``LRSchedulerCallback`` checks its scheduler against the optimizer and the
+    evaluation (:meth:`~fastdist.callbacks.LRSchedulerCallback.check`)."""
+    for metric in metrics:
+        if isinstance(metric, LossMetric):
+            metric.use_trainer_loss(loss_fn)
+    for cb in callbacks_all:
+        if isinstance(cb, LRSchedulerCallback):
+            cb.check(optimizer, evaluates, metric_key, larger_better)
 
 
 def reject_extra(extra: Mapping[str, Any], known: Collection[str]) -> None:
