@@ -350,6 +350,47 @@ def test_callback_list_runs_all_then_master(is_master: bool) -> None:
     assert hasattr(master, "trainer") == is_master
 
 
+class Holding(Callback):
+    """A callback whose state is ``value``: what it returns, and what a resume gives back."""
+
+    def __init__(self, value: Any) -> None:
+        self.value: Any = value
+        self.loaded: list[Any] = []
+
+    def state_dict(self) -> Any:
+        return self.value
+
+    def load_state_dict(self, state: Any) -> None:
+        self.loaded.append(state)
+
+
+def test_a_falsy_callback_state_is_kept_and_restored() -> None:
+    """0, 0.0, [] and a zero tensor are states; only {} and None mean "nothing to keep" (a
+    count down to 0 was left out of the checkpoint and restarted after a resume; a tensor of
+    several elements raised "Boolean value of Tensor ... is ambiguous" at the checkpoint)."""
+    values = [0, 0.0, [], torch.zeros(3), {}, None, {"n": 1}]
+    saved = CallbackList([Holding(v) for v in values], [], True).state_dict()
+    kept = ["Holding#0", "Holding#1", "Holding#2", "Holding#3", "Holding#6"]
+    assert list(saved["all"]) == kept and saved["master"] == {}
+    fresh = [Holding(None) for _ in values]
+    CallbackList(fresh, [], True).load_state_dict(saved)
+    assert [cb.loaded for cb in fresh[:3]] == [[0], [0.0], [[]]]
+    assert torch.equal(fresh[3].loaded[0], torch.zeros(3))
+    assert fresh[4].loaded == fresh[5].loaded == [] and fresh[6].loaded == [{"n": 1}]
+
+
+def test_a_hook_set_on_the_object_is_called() -> None:
+    """``cb.on_step_end = fn`` on a plain Callback (it was never called: only hooks its class
+    overrides were)."""
+    calls: list[int] = []
+    cb = Callback()
+    cb.on_step_end = lambda: calls.append(1)  # type: ignore[method-assign]
+    callbacks = CallbackList([cb], [], True)
+    callbacks.on_step_end()
+    callbacks.on_step_end()
+    assert calls == [1, 1]
+
+
 # ----- window_weights -----
 
 

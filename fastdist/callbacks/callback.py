@@ -114,7 +114,7 @@ class Callback:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must keep of this callback (tensors and plain data); a callback
-        with nothing to keep returns ``{}`` and is left out of checkpoints."""
+        with nothing to keep returns ``{}`` (or ``None``) and is left out of checkpoints."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -186,7 +186,7 @@ class CallbackList:
         """``{"all": {key: state}, "master": {key: state}}`` of the callbacks with a state
         (rank 0's is the one saved: where callbacks_master ran)."""
         return {
-            which: {key: state for key, cb in keyed.items() if (state := cb.state_dict())}
+            which: {key: state for key, cb in keyed.items() if _kept(state := cb.state_dict())}
             for which, keyed in self.keyed.items()
         }
 
@@ -278,12 +278,21 @@ def _nothing(*_args: Any) -> None:
 
 
 def answers(cb: Callback, hook: str) -> bool:
-    """Whether ``cb`` takes part in ``hook``: it overrides it, or its class looks attributes up
-    itself (``__getattribute__`` or ``__getattr__``, as fastNLP's ``EchoCallback``), so that
-    any hook may answer; such a callback is asked for the hook at every call."""
+    """Whether ``cb`` takes part in ``hook``: it overrides it (in its class, or on the object:
+    ``cb.on_step_end = fn``), or its class looks attributes up itself (``__getattribute__`` or
+    ``__getattr__``, as fastNLP's ``EchoCallback``), so that any hook may answer; such a
+    callback is asked for the hook at every call."""
     cls = type(cb)
     dynamic = cls.__getattribute__ is not object.__getattribute__ or hasattr(cls, "__getattr__")
-    return dynamic or getattr(cls, hook) is not getattr(Callback, hook)
+    own = hook in getattr(cb, "__dict__", {})
+    return dynamic or own or getattr(cls, hook) is not getattr(Callback, hook)
+
+
+def _kept(state: Any) -> bool:
+    """Whether a callback's ``state_dict()`` result goes in a checkpoint: anything but ``{}``
+    (and ``None``), the "nothing to keep" of a callback without state; 0, ``[]`` or a tensor
+    are states."""
+    return state is not None and not (isinstance(state, dict) and not state)
 
 
 def state_keys(callbacks: Sequence[Callback], name: str) -> dict[str, Callback]:

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fastdist.checks import first_line
 from fastdist.distributed.bounded import STORE_WAIT_S, within
 from fastdist.distributed.env import EXITED_COUNT, EXITING, get_rank, get_world_size
 from fastdist.distributed.guard import refuse_if_guarded
@@ -136,7 +135,7 @@ class PositionBoard:
                     r: within(STORE_WAIT_S, functools.partial(self._fetch, r)) for r in others
                 }
             except Exception as exc:  # cut off from the store's host, or it is gone
-                return {}, f"{type(exc).__name__}: {first_line(exc, 160)}"
+                return {}, f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             failed = all(record and record.get("failed") for record in records.values())
             if failed or time.monotonic() >= deadline:
                 return records, ""
