@@ -425,6 +425,13 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(
     ), judged.result.describe()
     previous = checkpoint_path(judged.out / "truncated", "plain", 17)
     assert f"resumed from {previous}" in judged.result.output
+    # The cut-short checkpoint is moved aside, not written over at update 18 and pruned.
+    aside = re.search(
+        rf"could not be resumed \({newest.name}\) were moved to (\S+):", judged.result.output
+    )
+    assert aside, judged.result.describe()
+    moved = Path(aside.group(1)) / newest.name  # half the size of the one written anew
+    assert 0 < 2 * moved.stat().st_size <= newest.stat().st_size, "not the cut-short file"
     got = outcomes(judged.out, "truncated")
     for rank in range(SIZE):  # as assert_matches_straight, from checkpoint_worker's records
         expected = rank_result(straight, "plain", "straight", rank)

@@ -66,21 +66,39 @@ def choose(
     if plan.error is not None:
         kind, message = plan.error
         raise _ERRORS.get(kind, RuntimeError)(message)
-    newest = None
+    newest: tuple[str, str] | None = None
+    skipped: list[str] = []
     for candidate in plan.candidates:
         problem, checkpoint = _verify(candidate, rank, world_size)
         problem = next((p for p in all_gather_object(problem, group) if p is not None), None)
         if problem is None:
             assert checkpoint is not None
+            if skipped and rank == 0 and directory is not None:
+                _set_aside_skipped(directory, skipped)
             return checkpoint, candidate.path, plan.rollback
         if plan.explicit:
             raise ValueError(_cannot_resume(candidate.path, problem))
         if rank == 0:
             logger.warning("skipping checkpoint %s: %s", candidate.path, problem)
         newest = newest or (candidate.path, problem)
+        skipped.append(candidate.path)
     if newest is not None:  # a fresh start would prune them, and overwrite their names
         raise ValueError(_none_resumes(len(plan.candidates), *newest))
     return None
+
+
+def _set_aside_skipped(directory: CheckpointDir, skipped: list[str]) -> None:
+    """Move the newer checkpoints that could not be resumed out of the way of the run that
+    goes on before them, which would write over their names and prune them."""
+    names = [os.path.basename(p) for p in skipped if os.path.exists(p)]
+    if names:
+        aside = directory.set_aside(names)
+        logger.warning(
+            "the newer checkpoint(s) that could not be resumed (%s) were moved to %s: training "
+            "goes on from an older one and would have written over them",
+            ", ".join(names),
+            aside,
+        )
 
 
 def _verify(
