@@ -44,7 +44,7 @@ from torch.distributed import (
 from torch.utils.data import Dataset, IterableDataset, RandomSampler
 from workers.trainer_worker import ToyData, ToyNet
 
-from fastdist import DDP, FSDP, AccuracyMetric, Callback, CrossEntropyLoss
+from fastdist import DDP, FSDP, AccuracyMetric, Callback, CrossEntropyLoss, Pipeline
 from fastdist.callbacks import EarlyStopCallback, LRSchedulerCallback, WarmupCallback
 from fastdist.data import TokenBatchSampler
 from fastdist.distributed import get_rank
@@ -410,6 +410,14 @@ ROWS: dict[str, Row] = {
     "token_lengths_too_many": row(
         {"batch_sampler": TokenBatchSampler([3] * 35, 8)},
         "ValueError: TokenBatchSampler has 35 lengths for a train_data of 32 samples",
+    ),
+    "token_batches_in_a_pipeline": row(  # it failed at the first update, its fixes no help
+        lambda: {
+            "batch_sampler": TokenBatchSampler([3] * 32, 8),
+            "strategy": Pipeline(stages=2, schedule="gpipe"),
+        },
+        "ValueError: batch_sampler=TokenBatchSampler makes batches of varying numbers of samples"
+        " | a pipeline's stages take micro-batches of one shape | use batch_size_per_gpu=",
     ),
     "collate_fn_not_callable": row(
         {"collate_fn": "stack"}, "TypeError: collate_fn must be a function | or None | got 'stack'"

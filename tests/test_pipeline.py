@@ -136,12 +136,15 @@ class Mixed(Tagger):
         (  # no list of blocks: a fix that works, whether split is given or not
             lambda: plan_stages(Flat(), 2, None),
             "Pipeline(split=None) cuts a model between the blocks of one nn.ModuleList (or "
-            "nn.ModuleDict) that its forward runs in order, but Flat holds none: put its "
-            "repeated layers in one",
+            "nn.ModuleDict) that its forward runs in order, but Flat holds none, so no split "
+            "can cut it as it is: put its repeated layers in one",
         ),
-        (
+        (  # it offered split= to a user who had passed one
             lambda: plan_stages(Flat(), 2, ["b"]),
-            "Pipeline(split=['b']) cuts a model between the blocks of one nn.ModuleList",
+            "Pipeline(split=['b']) cuts a model between the blocks of one nn.ModuleList (or "
+            "nn.ModuleDict) that its forward runs in order, but Flat holds none, so no split "
+            "can cut it as it is: put its repeated layers in one (self.blocks = "
+            "nn.ModuleList([...])); then split=None cuts them evenly",
         ),
         (
             lambda: plan_stages(Mixed(), 2, None),

@@ -121,6 +121,9 @@ class Strategy:
     #: Ranks step on their own gradients between synchronisations (local SGD): every rank
     #: does not see the same gradients, so they cannot all skip the same non-finite update.
     local_steps = False
+    #: Every micro-batch of an update must have one shape (a pipeline's schedule): batches
+    #: of varying sample counts (token-budget batches) are refused.
+    one_shape = False
     #: ``(index, count)`` of this process's replica group among the job's: each group trains
     #: its own shard of the data (``DDP(fault_tolerant=True)``); ``(0, 1)``: one group.
     replica_group: tuple[int, int] = (0, 1)

@@ -96,6 +96,7 @@ class Pipeline(Strategy):
 
     #: A stage waits for the others' activations and gradients within its compute.
     waits_in_compute = True
+    one_shape = True  # a schedule's stages take micro-batches of one shape
 
     def __init__(
         self,
@@ -280,11 +281,12 @@ class Pipeline(Strategy):
         """The schedule of updates of ``len(batches)`` micro-batches of these shapes (made at
         the first such update: a stage of static shapes, found by running the stages)."""
         shapes = [batch_shapes(batch) for batch in batches]
-        if any(s != shapes[0] for s in shapes):
+        other = next((s for s in shapes if s != shapes[0]), None)
+        if other is not None:
             raise ValueError(
-                "the micro-batches of one update differ in shape, which a pipeline stage cannot "
-                "take: pad them to one length (in collate_fn), and drop a short last batch "
-                "(drop_last=True)"
+                f"the micro-batches of one update differ in shape ({shapes[0]} and {other}), "
+                "which a pipeline stage cannot take: pad them to one length (in collate_fn), "
+                "drop a short last batch (drop_last=True), and give every batch as many samples"
             )
         key = (len(batches), shapes[0])
         if key not in self._schedules:

@@ -198,9 +198,9 @@ def _no_blocks(given: str, cls: str) -> str:
     """Why a model with no list of blocks cannot be cut (``given``: the ``split`` argument)."""
     return (
         f"Pipeline({given}) cuts a model between the blocks of one nn.ModuleList (or "
-        f"nn.ModuleDict) that its forward runs in order, but {cls} holds none: put its "
-        "repeated layers in one, then split=None cuts them evenly (or split=['blocks.4', ...] "
-        "names the first block of each stage after the first)"
+        f"nn.ModuleDict) that its forward runs in order, but {cls} holds none, so no split "
+        "can cut it as it is: put its repeated layers in one (self.blocks = "
+        "nn.ModuleList([...])); then split=None cuts them evenly"
     )
 
 

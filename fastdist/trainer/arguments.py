@@ -87,7 +87,7 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
     stream = isinstance(train_data, IterableDataset)
     check_dev_data(dev_data, options.validate_every)
     sampler, batch_sampler = given["sampler"], given["batch_sampler"]
-    check_samplers(sampler, batch_sampler, stream, options.drop_last)
+    check_samplers(sampler, batch_sampler, stream, options.drop_last, options.strategy.one_shape)
     n_train = None if stream else check_dataset("train_data", train_data)
     shards = shard_data(train_data, n_train, batch_sampler, options.strategy)
     if n_train is not None and sampler is None and batch_sampler is None:

@@ -64,10 +64,19 @@ def check_dev_data(dev_data: Any, validate_every: int) -> None:
         )
 
 
-def check_samplers(sampler: Any, batch_sampler: Any, stream: bool, drop_last: bool) -> None:
+def check_samplers(
+    sampler: Any, batch_sampler: Any, stream: bool, drop_last: bool, one_shape: bool = False
+) -> None:
     """At most one of them, each with ``__len__`` (this rank's samples or batches) and
     ``__iter__``; none for a stream (``stream``: train_data is an ``IterableDataset``); a batch
-    sampler makes the batches, so ``drop_last`` does not apply to it."""
+    sampler makes the batches, so ``drop_last`` does not apply to it; no token-budget batches
+    where every micro-batch must have one shape (``one_shape``: a pipeline)."""
+    if one_shape and isinstance(batch_sampler, TokenBatchSampler):
+        raise ValueError(
+            "batch_sampler=TokenBatchSampler makes batches of varying numbers of samples, but a "
+            "pipeline's stages take micro-batches of one shape: use batch_size_per_gpu= "
+            "batches padded to one length in collate_fn (drop_last=True for a short last one)"
+        )
     if stream and (sampler is not None or batch_sampler is not None):
         raise ValueError(
             "sampler= and batch_sampler= do not apply to a streaming train_data (an "
