@@ -229,6 +229,10 @@ def test_lr_scheduler_interval(interval: str) -> None:
     assert scheduler.steps == {"step": 3, "evaluation": 2, "epoch": 1}[interval]
     with pytest.raises(ValueError, match="interval"):
         LRSchedulerCallback(scheduler, interval="batch")
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    for not_a_scheduler in (object(), optimizer):  # accepted; failed (or did nothing) later
+        with pytest.raises(TypeError, match="LRSchedulerCallback needs a learning-rate sched"):
+            LRSchedulerCallback(not_a_scheduler)
 
 
 def test_reduce_lr_on_plateau_steps_on_each_evaluation_score() -> None:

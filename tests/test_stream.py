@@ -101,6 +101,10 @@ def test_a_rank_without_items_is_the_same_error_everywhere(worlds: Any) -> None:
         "which held fewer than batch_size_per_gpu=3 items (pass drop_last=False, or a smaller "
         "batch_size_per_gpu)"
     ) in errors["2"]
+    assert (  # rank 0's batch of 3 kept, rank 1's 2 items dropped: it blamed the readers
+        "gave rank(s) [1] no item while other ranks had some: drop_last=True dropped their "
+        "last batch, which held fewer than batch_size_per_gpu=3 items"
+    ) in errors["5"]
 
 
 @pytest.mark.slow

@@ -33,6 +33,14 @@ class LRSchedulerCallback(Callback):
     changes_training = True
 
     def __init__(self, scheduler: Any, interval: str | None = None) -> None:
+        if isinstance(scheduler, torch.optim.Optimizer) or not callable(
+            getattr(scheduler, "step", None)
+        ):
+            raise TypeError(
+                f"LRSchedulerCallback needs a learning-rate scheduler (with a step() method), "
+                f"got {type(scheduler).__name__}: pass one built on the optimizer, e.g. "
+                "torch.optim.lr_scheduler.StepLR(optimizer, step_size=100)"
+            )
         self.on_score = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         if interval is None:
             interval = "evaluation" if self.on_score else "step"

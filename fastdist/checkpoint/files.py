@@ -122,8 +122,21 @@ def atomic_save(obj: Any, path: str) -> int:
             f.flush()
             checksum = crc32(f.name)
     except (OSError, RuntimeError) as exc:  # a full disk: torch says "unexpected pos ..."
+        interrupt = _interrupt_behind(exc)
+        if interrupt is not None:  # Ctrl-C in the write: torch's writer then fails to close
+            raise interrupt from None
         raise OSError(checkpoint_write_failure(path, obj, exc)) from exc
     return checksum
+
+
+def _interrupt_behind(exc: BaseException) -> KeyboardInterrupt | None:
+    """The ``KeyboardInterrupt`` among the exceptions ``exc`` was raised while handling."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return seen
+        seen = seen.__context__
+    return None
 
 
 def checkpoint_write_failure(path: str, obj: Any, exc: BaseException) -> str:

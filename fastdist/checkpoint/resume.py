@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from fastdist.checkpoint.files import CheckpointDir, crc32, expected_checksums, load_checkpoint
 from fastdist.checkpoint.sharded import checked_metadata
+from fastdist.checks import first_line
 from fastdist.distributed import all_gather_object, broadcast_object, get_rank, get_world_size
 from fastdist.logging import logger
 
@@ -113,7 +114,7 @@ def _verify(
         return (problem, None) if problem else (None, load_checkpoint(candidate.path))
     except Exception as exc:  # missing, unreadable, not a checkpoint: agreed on as a mismatch
         unlisted = "" if candidate.checksums else " (not in the manifest: cut short?)"
-        return f"{type(exc).__name__}: {exc}{unlisted}", None
+        return f"{type(exc).__name__}: {first_line(exc, 200)}{unlisted}", None
 
 
 def mismatch(checksums: Iterable[tuple[str, int]]) -> str | None:

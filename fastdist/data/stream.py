@@ -149,6 +149,24 @@ class StreamBatches:
             )
         return f"train_data, a stream, gave no item in epoch {self.epoch} on any rank: {why}"
 
+    def _no_item_on(self, empty: list[int]) -> str:
+        """Why ranks ``empty`` got no batch while others did."""
+        readers = self.world_size * max(self.num_workers, 1)
+        why = (
+            f"it holds fewer items than its {readers} readers (processes x num_workers); use "
+            "fewer processes or workers, or more data"
+        )
+        if getattr(self.loader, "drop_last", False):
+            why = (
+                f"drop_last=True dropped their last batch, which held fewer than "
+                f"batch_size_per_gpu={self.loader.batch_size} items (pass drop_last=False, or "
+                f"a smaller batch_size_per_gpu), or {why}"
+            )
+        return (
+            f"the streaming train_data gave rank(s) {empty} no item while other ranks had "
+            f"some: {why}"
+        )
+
     def _first_batch(self) -> Any:
         """This rank's first batch of the pass (``None`` if it has none), read without moving
         the stream: what a resumed rank repeats as its fillers (weight 0)."""
@@ -240,12 +258,7 @@ class StreamBatches:
                 length = max(map(len, window))
                 empty = [r for r, row in enumerate(rows) if len(window[r]) < length and not row[n]]
                 if empty:
-                    readers = self.world_size * max(self.num_workers, 1)
-                    raise RuntimeError(
-                        f"the streaming train_data gave rank(s) {empty} no item while other "
-                        f"ranks had some: it holds fewer items than its {readers} readers "
-                        "(processes x num_workers); use fewer processes or workers, or more data"
-                    )
+                    raise RuntimeError(self._no_item_on(empty))
             return per_window
 
         return functools.cache(sizes)  # read by ends_pass(wait=True) too

@@ -94,9 +94,8 @@ class Pipeline(Strategy):
         {'pp': 2, 'dp_shard': 2, 'tp': 2}
     """
 
-    #: A stage waits for the others' activations and gradients within its compute.
-    waits_in_compute = True
-    one_shape = True  # a schedule's stages take micro-batches of one shape
+    #: A stage waits for the others within its compute, and takes micro-batches of one shape.
+    waits_in_compute = one_shape = True
 
     def __init__(
         self,
@@ -281,12 +280,11 @@ class Pipeline(Strategy):
         """The schedule of updates of ``len(batches)`` micro-batches of these shapes (made at
         the first such update: a stage of static shapes, found by running the stages)."""
         shapes = [batch_shapes(batch) for batch in batches]
-        other = next((s for s in shapes if s != shapes[0]), None)
-        if other is not None:
+        if (other := next((s for s in shapes if s != shapes[0]), None)) is not None:
             raise ValueError(
                 f"the micro-batches of one update differ in shape ({shapes[0]} and {other}), "
-                "which a pipeline stage cannot take: pad them to one length (in collate_fn), "
-                "drop a short last batch (drop_last=True), and give every batch as many samples"
+                "which a pipeline stage cannot take: give them as many samples, padded to one "
+                "length (in collate_fn); drop a short last batch (drop_last=True)"
             )
         key = (len(batches), shapes[0])
         if key not in self._schedules:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -52,7 +55,9 @@ def report_interrupt(
     """Log a Ctrl-C on this rank in one line, no traceback (the excepthook holds it back):
     where training stopped, and what is saved (``saved``: the checkpoint directory, if any);
     then ``tell`` the callbacks. torchrun's SIGTERM, which follows its SIGINT at once, waits
-    until then."""
+    until then; a second Ctrl-C ends the process at once, quietly (exit code 130)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _quit_now)
     with sigterm_deferred():
         logger.warning(
             "training interrupted (KeyboardInterrupt: Ctrl-C) at epoch %d, update %d: %s",
@@ -64,6 +69,11 @@ def report_interrupt(
         )
         exc.fastdist_reported = True  # type: ignore[attr-defined]
         tell(exc)
+
+
+def _quit_now(signum: int, frame: Any) -> None:
+    """A second Ctrl-C while the first is reported: exit now, as killed by SIGINT (130)."""
+    os._exit(128 + signal.SIGINT)
 
 
 def _report(

@@ -174,9 +174,10 @@ def case_empty() -> dict[str, Any]:
     """One item for two ranks (rank 1 has nothing to repeat), and none: every rank must say
     so."""
     errors: dict[str, Any] = {}
-    for n in (1, 0, 2):  # 2: an item per rank, fewer than a batch, dropped by drop_last
+    # 2: an item per rank, fewer than a batch, dropped by drop_last; 5: rank 1's 2 dropped
+    for n in (1, 0, 2, 5):
         try:
-            stream_trainer(Stream(n), n_epochs=1, drop_last=n == 2).train()
+            stream_trainer(Stream(n), n_epochs=1, drop_last=n in (2, 5)).train()
         except (RuntimeError, ValueError) as exc:
             errors[str(n)] = str(exc)
     return errors
