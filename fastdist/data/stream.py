@@ -140,31 +140,27 @@ class StreamBatches:
     def _no_item(self) -> str:
         """Why no rank got a batch in this epoch: what the stream may be."""
         why = "it is empty, or it can be read only once (its __iter__ must start anew every epoch)"
-        if getattr(self.loader, "drop_last", False):
-            size = self.loader.batch_size
-            why = (
-                f"drop_last=True dropped each rank's last batch, which held fewer than "
-                f"batch_size_per_gpu={size} items (pass drop_last=False, or a smaller "
-                f"batch_size_per_gpu); or {why}"
-            )
-        return f"train_data, a stream, gave no item in epoch {self.epoch} on any rank: {why}"
+        return f"train_data, a stream, gave no item in epoch {self.epoch} on any rank: " + (
+            self._dropped("each rank's") + why
+        )
 
     def _no_item_on(self, empty: list[int]) -> str:
         """Why ranks ``empty`` got no batch while others did."""
         readers = self.world_size * max(self.num_workers, 1)
-        why = (
-            f"it holds fewer items than its {readers} readers (processes x num_workers); use "
-            "fewer processes or workers, or more data"
-        )
-        if getattr(self.loader, "drop_last", False):
-            why = (
-                f"drop_last=True dropped their last batch, which held fewer than "
-                f"batch_size_per_gpu={self.loader.batch_size} items (pass drop_last=False, or "
-                f"a smaller batch_size_per_gpu), or {why}"
-            )
         return (
             f"the streaming train_data gave rank(s) {empty} no item while other ranks had "
-            f"some: {why}"
+            f"some: {self._dropped('their')}it holds fewer items than its {readers} readers "
+            "(processes x num_workers); use fewer processes or workers, or more data"
+        )
+
+    def _dropped(self, whose: str) -> str:
+        """The first cause of a missing batch under ``drop_last`` ("" without it)."""
+        if not getattr(self.loader, "drop_last", False):
+            return ""
+        return (
+            f"drop_last=True dropped {whose} last batch, which held fewer than "
+            f"batch_size_per_gpu={self.loader.batch_size} items (pass drop_last=False, or a "
+            "smaller batch_size_per_gpu), or "
         )
 
     def _first_batch(self) -> Any:

@@ -306,6 +306,11 @@ EXITING, EXITED_COUNT = "fastdist/exiting/{}", "fastdist/exiting"
 
 
 def _destroy_if_initialized() -> None:
+    with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C as the process exits
+        _destroy()
+
+
+def _destroy() -> None:
     if not dist.is_initialized():
         return
     with contextlib.suppress(Exception):  # tell ranks waiting for this one not to wait

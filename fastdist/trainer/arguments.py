@@ -103,7 +103,9 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
     check_optimizer(optimizer, model)
     loss_fn = check_loss(given["loss"])
     callbacks = check_callbacks(given["callbacks_all"], given["callbacks_master"])
-    link(metrics, callbacks[0], optimizer, loss_fn, dev_data is not None, metric_key, larger_better)
+    tie_to_trainer(
+        metrics, callbacks[0], optimizer, loss_fn, dev_data is not None, metric_key, larger_better
+    )
     collate_fn = check_collate(given["collate_fn"])
     check_format("best_model_format", options.best_model_format, model)
     device = resolve_device(options.device)
@@ -138,7 +140,7 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
     )
 
 
-def link(
+def tie_to_trainer(
     metrics: list[Metric],
     callbacks_all: list[Callback],
     optimizer: torch.optim.Optimizer,

@@ -55,20 +55,26 @@ def report_interrupt(
     """Log a Ctrl-C on this rank in one line, no traceback (the excepthook holds it back):
     where training stopped, and what is saved (``saved``: the checkpoint directory, if any);
     then ``tell`` the callbacks. torchrun's SIGTERM, which follows its SIGINT at once, waits
-    until then; a second Ctrl-C ends the process at once, quietly (exit code 130)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _quit_now)
-    with sigterm_deferred():
-        logger.warning(
-            "training interrupted (KeyboardInterrupt: Ctrl-C) at epoch %d, update %d: %s",
-            state.epoch,
-            state.global_step,
-            "the checkpoints saved so far are kept; train(resume='auto') goes on from the newest"
-            if saved
-            else "nothing was saved (no save_path or checkpoint_dir)",
-        )
-        exc.fastdist_reported = True  # type: ignore[attr-defined]
-        tell(exc)
+    until then; a second Ctrl-C meanwhile ends the process at once, quietly (exit code 130).
+    Then the previous SIGINT handler is back (a notebook's kernel keeps its own)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _quit_now) if main else None
+    try:
+        with sigterm_deferred():
+            logger.warning(
+                "training interrupted (KeyboardInterrupt: Ctrl-C) at epoch %d, update %d: %s",
+                state.epoch,
+                state.global_step,
+                "the checkpoints saved so far are kept; train(resume='auto') goes on from the "
+                "newest"
+                if saved
+                else "nothing was saved (no save_path or checkpoint_dir)",
+            )
+            exc.fastdist_reported = True  # type: ignore[attr-defined]
+            tell(exc)
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _quit_now(signum: int, frame: Any) -> None:
