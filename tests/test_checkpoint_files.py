@@ -152,6 +152,26 @@ def test_an_unrecorded_sharded_checkpoint_missing_a_shard_is_skipped(tmp_path: P
     assert counter.updates == 8  # from update 4 on
 
 
+def test_an_unrecorded_garbage_checkpoint_is_skipped_in_one_line_and_set_aside(
+    tmp_path: Path, log_lines: list[str]
+) -> None:
+    """Random bytes as a newer, unlisted step file: skipped with torch's first line only (it
+    quoted torch's whole advice: "Re-running torch.load ... Please file an issue"), moved
+    aside byte for byte, and the run resumes from update 6."""
+    trainer(tmp_path, checkpoint_every=2).train()
+    checkpoints = tmp_path / "checkpoints"
+    garbage = os.urandom(40_000)
+    (checkpoints / "step-00000008.pt").write_bytes(garbage)
+    counter = CountUpdates()
+    make_trainer(counter, save_path=str(tmp_path), checkpoint_every=2, n_epochs=2).train()
+    assert counter.updates == 6  # from update 6 on
+    skipped = [line for line in log_lines if "skipping checkpoint" in line]
+    assert len(skipped) == 1 and "\n" not in skipped[0] and "file an issue" not in skipped[0]
+    assert skipped[0].endswith("(not in the manifest: cut short?)"), skipped[0]
+    (aside,) = tmp_path.glob("checkpoints-set-aside-*")
+    assert (aside / "step-00000008.pt").read_bytes() == garbage
+
+
 def test_ctrl_c_inside_a_checkpoint_write_stays_a_keyboard_interrupt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
