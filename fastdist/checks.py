@@ -23,11 +23,15 @@ def describe(value: object) -> str:
     return shown
 
 
+def shortened(text: str, limit: int) -> str:
+    """``text``, cut to ``limit`` characters with ``...`` where it is longer."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def first_line(exc: BaseException, limit: int = 100) -> str:
     """The first line of ``exc``'s message, cut to ``limit`` characters, for a one-line error
     that quotes it (torch's and DCP's run over many lines)."""
-    line = (str(exc).strip().splitlines() or [""])[0]
-    return line if len(line) <= limit else line[: limit - 3] + "..."
+    return shortened((str(exc).strip().splitlines() or [""])[0], limit)
 
 
 def check_int(name: str, value: object, minimum: int, fix: str = "") -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from fastdist.checkpoint.identity import identity
+from fastdist.checks import shortened
 from fastdist.distributed import all_gather_object
 from fastdist.trainer.arguments import Arguments
 
@@ -80,7 +81,9 @@ def check_same_arguments(args: Arguments, group: Any) -> None:
         values: dict[str, list[int]] = {}
         for rank, found in enumerate(ranks):
             values.setdefault(found.get(key, "(none)"), []).append(rank)
-        parts.append(f"{key}: " + ", ".join(f"{_short(v)} on ranks {r}" for v, r in values.items()))
+        parts.append(
+            f"{key}: " + ", ".join(f"{shortened(v, 80)} on ranks {r}" for v, r in values.items())
+        )
     raise ValueError(
         "DistTrainer was given different arguments on different ranks, which would train "
         f"another model on each or hang: {'; '.join(parts)}. Give every rank the same "
@@ -132,10 +135,6 @@ def _setting(name: str, value: Any) -> str | None:
                 shown += " " + hashlib.sha1(data).hexdigest()[:12]
         return shown
     return None
-
-
-def _short(value: str) -> str:
-    return value if len(value) <= 80 else value[:77] + "..."
 
 
 def _size(data: Any) -> str:
