@@ -310,7 +310,7 @@ def test_a_rank_cut_off_from_the_store_reports_within_seconds(
         board = position.PositionBoard(rank=1, world_size=2)
         board.store = store
         board.publish(epoch=1, step=3, phase="sync")
-        os.kill(host.pid, signal.SIGSTOP)
+        _stop(host.pid)
         start = time.monotonic()
         board.publish_failure("RuntimeError: Timed out")
         report = board.report()
@@ -326,10 +326,24 @@ def test_a_rank_cut_off_from_the_store_reports_within_seconds(
     assert silent == [] and again < 0.2, (silent, again)
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every one of its threads is stopped: ``kill`` returns
+    before a busy machine has stopped them, and the store's thread could still answer."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    tasks = Path(f"/proc/{pid}/task")
+    while time.monotonic() < deadline:
+        states = [
+            (task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in tasks.iterdir()
+        ]
+        if all(state in "tT" for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop: thread states {states}")
+
+
 _STORE_HOST = """
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 import torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", {port}, None, True, timedelta(seconds=60),
