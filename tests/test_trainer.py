@@ -19,7 +19,7 @@ import torch
 from launch import Result, run_ranks
 
 WORKER = Path(__file__).resolve().parent / "workers" / "trainer_worker.py"
-CASES = "equivalence,comm,coverage,evaluate,hooks,stop,best,fitlog,groups"
+CASES = "equivalence,comm,coverage,evaluate,hooks,stop,best,fitlog,groups,replicas"
 # name -> (use torchrun, number of processes)
 WORLDS = {"torchrun-2": (True, 2), "python": (False, 1)}
 BATCH = 8  # batch_size_per_gpu of every case
@@ -357,3 +357,19 @@ def test_a_dropped_trainer_frees_its_process_groups(world: World) -> None:
     for _rank, run in world.case("groups"):
         first, *rest = run["fds"]
         assert rest == [first] * len(rest), run["fds"]
+
+
+def test_replicas_are_compared_after_the_last_update_by_default(world: World) -> None:
+    """A learning rate raised on rank 0 only trains replicas apart: by default every rank
+    raises after the last update, naming a parameter (before: a wrong model, silently);
+    ``check_sync_every=0`` turns it off; a master callback's change in ``on_train_end`` (after
+    the comparison) is rank 0's own."""
+    for rank, run in world.case("replicas"):
+        if world.size > 1:
+            assert "differs across ranks at step 4 (checksums by rank:" in run["caught"], run
+            assert run["caught"].startswith("parameter 'hidden."), run
+            assert "(e.g. the learning rate); make the change on every rank" in run["caught"]
+        else:
+            assert run["caught"] == ""  # one process: one copy
+        assert run["off_steps"] == 8 // world.size
+        assert run["zeroed"] == (rank == 0)

@@ -83,9 +83,11 @@ class DistTrainer:
             and every rank raises, naming the ranks and the first update with a NaN/Inf loss.
             ``"skip"``: every update's all-reduced gradients are checked (one host read per
             update) and a non-finite update is skipped on every rank.
-        check_sync_every: every N updates (and at the end) compare a checksum of the
+        check_sync_every: every N updates and after the last one, compare a checksum of the
             parameters every rank holds a copy of across ranks and raise on the first that
-            differs; 0 turns it off. (Under local SGD they are compared where they agree; under
+            differs (code on some ranks only changed the model); ``None``: after the last
+            update only (before ``on_train_end``; across torchft's replica groups only where N
+            asks); 0 turns it off. (Under local SGD they are compared where they agree; under
             FSDP each parameter has one copy: there is nothing to compare; under HSDP the
             replica groups' shards are compared: ``topology.copies``.)
         checkpoint_every: write a checkpoint every N optimizer updates as well as at every
@@ -179,7 +181,7 @@ class DistTrainer:
         best_model_format: str = "torch",
         timeout: float | None = None,
         on_nonfinite: str = "raise",
-        check_sync_every: int = 0,
+        check_sync_every: int | None = None,
         checkpoint_every: int = 0,
         checkpoint_dir: str | os.PathLike | None = None,
         keep_checkpoints: int = 2,

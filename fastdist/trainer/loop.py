@@ -95,7 +95,8 @@ class Loop:
                 agreed = self._save_checkpoint() or agreed
             if agreed.stop:
                 break
-        if not agreed.preempted:
+        if not agreed.preempted:  # the replicas compared before on_train_end's own changes
+            check_in_sync(self.strategy, state.global_step, self.options.check_sync_every, True)
             self.strategy.end_training()  # e.g. a pipeline's stages gathered
             run.checkpointer.wait()  # the last checkpoint on disk, if written in the background
             callbacks.on_train_end()
@@ -159,10 +160,7 @@ class Loop:
         self.world.board.update(step=state.global_step, phase="train")  # a second old at most
         self.strategy.after_step(state.global_step)  # e.g. local SGD's averaging
         self.progress.update()
-        every = self.options.check_sync_every
-        if every and state.global_step % every == 0:
-            replicas = self.strategy.replicas(state.global_step)
-            check_in_sync(replicas, state.global_step, self.world.group, self.world.topology.copies)
+        check_in_sync(self.strategy, state.global_step, self.options.check_sync_every, False)
         return True
 
     def log_step(self, wait: bool) -> Agreement | None:
@@ -384,9 +382,6 @@ class Loop:
         state = self.state
         self.sync(check_model=True)
         self.run.slow_ranks.summary()
-        if self.options.check_sync_every:
-            replicas = self.strategy.replicas(state.global_step)
-            check_in_sync(replicas, state.global_step, self.world.group, self.world.topology.copies)
         if self.options.load_best_model and state.best_eval is not None:
             self.run.validator.best.load(self.world.rank == 0)
             logger.info(

@@ -70,7 +70,7 @@ class TrainerOptions:
     activation_checkpointing: bool | str
     timeout: float | None
     on_nonfinite: str
-    check_sync_every: int
+    check_sync_every: int | None
     slow_rank_threshold: float
 
     @classmethod
@@ -102,8 +102,10 @@ class TrainerOptions:
         for name in ("dev_batch_size_per_gpu", "prefetch_factor"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), minimum=1)
-        for name in ("num_workers", "seed", "check_sync_every", "checkpoint_every"):
+        for name in ("num_workers", "seed", "checkpoint_every"):
             check_int(name, getattr(self, name), minimum=0)
+        if self.check_sync_every is not None:
+            check_int("check_sync_every", self.check_sync_every, minimum=0)
         if self.seed >= 2**63:  # torch's generators take a signed 64-bit seed
             raise ValueError(f"seed must be below 2**63, got {self.seed}: pass a smaller seed")
         check_int("keep_checkpoints", self.keep_checkpoints, minimum=1)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -11,6 +11,9 @@ from fastdist.distributed import all_gather_object
 from fastdist.distributed.norms import global_norm
 from fastdist.logging import logger
 from fastdist.state import TrainerState
+
+if TYPE_CHECKING:
+    from fastdist.strategies import Strategy
 
 
 def all_finite(tensors: Iterable[torch.Tensor | None], group: Any = None) -> bool:
@@ -29,24 +32,33 @@ def failing_ranks(failure: Any, group: Any) -> dict[int, Any]:
     return {rank: found for rank, found in enumerate(everyone) if found is not None}
 
 
-def check_in_sync(
-    replicas: list[tuple[str, torch.Tensor]], step: int, group: Any, copies: list[list[int]]
-) -> None:
-    """Compare a checksum of every replicated tensor (``(name, tensor)``, the same names within
-    each group of ``copies``: :meth:`~fastdist.strategies.Strategy.replicas`,
-    :attr:`~fastdist.strategies.Topology.copies`) across ranks; raise on every rank on the
-    first that differs. Nothing to compare (FSDP: one copy of each parameter): no collective."""
-    if not replicas:
+def check_in_sync(strategy: Strategy, step: int, every: int | None, at_end: bool) -> None:
+    """Where ``check_sync_every`` (``every``) asks: after every N-th update and at the end
+    (``at_end``: after the last update), or, ``None``, at the end only, and there across
+    torchft's replica groups only where N asks: compare a checksum of every tensor the ranks
+    hold copies of after update ``step`` (:meth:`~fastdist.strategies.Strategy.replicas`, the
+    same names within each group of :attr:`~fastdist.strategies.Topology.copies`) across
+    ranks; raise on every rank on the first that differs. Nothing to compare (FSDP: one copy
+    of each parameter, or one process): no collective."""
+    if every is None:
+        due = at_end and strategy.replica_group[1] == 1
+    else:
+        due = every > 0 and (at_end or step % every == 0)
+    if not due:
         return
-    sums = {name: float(t.detach().double().sum()) for name, t in replicas}
-    everyone = all_gather_object(sums, group)  # a pipeline's stages: each its own tensors
+    replicas, copies = strategy.replicas(step), strategy.topology.copies
+    if not replicas or all(len(ranks) == 1 for ranks in copies):
+        return
+    sums = {name: float(t.detach().sum(dtype=torch.float64)) for name, t in replicas}
+    everyone = all_gather_object(sums, strategy.group)  # a pipeline's stages: each its own tensors
     for ranks, name in ((r, n) for r in copies for n in everyone[r[0]]):
         values = {rank: everyone[rank].get(name) for rank in ranks}
-        if len(set(values.values())) > 1:
+        if len({repr(v) for v in values.values()}) > 1:  # NaN on every rank: the same
             raise RuntimeError(
                 f"parameter {name!r} differs across ranks at step {step} (checksums by rank: "
-                f"{values}): code running on some ranks only (e.g. in callbacks_master) changed "
-                "the model; change it in callbacks_all instead"
+                f"{values}): code running on some ranks only (in callbacks_master, or behind a "
+                "rank test) changed the model or how it trains (e.g. the learning rate); make "
+                "the change on every rank, in callbacks_all"
             )
 
 

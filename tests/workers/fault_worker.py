@@ -78,7 +78,7 @@ def _edit_weight(trainer: DistTrainer) -> None:
 
 def _poison_weight(trainer: DistTrainer) -> None:
     with torch.no_grad():
-        trainer.model.linear.weight.fill_(float("inf"))
+        trainer.model.linear.weight.fill_(float("nan"))
 
 
 def _sleep_on_rank_1(trainer: DistTrainer) -> None:
@@ -168,7 +168,8 @@ def main(case: str, out: Path) -> None:
         use_tqdm=False,
         timeout=None if case == "raise_caught" else TIMEOUT,  # torch's 30 minutes
         on_nonfinite="skip" if case == "nan_skip" else "raise",
-        check_sync_every=1 if case in ("master_edit_weight", "nan_skip") else 0,
+        # inf_weight: the default comparison after the last update finds NaN alike on every rank
+        check_sync_every={"master_edit_weight": 1, "nan_skip": 1, "inf_weight": None}.get(case, 0),
         sampler=FirstRanksLonger(get_rank()) if case == "uneven" else None,
         save_path=str(out / "save") if case in ("timeout", "ctrl_c") else None,  # hang dumps
         checkpoint_every=2 if case == "ctrl_c" else 0,

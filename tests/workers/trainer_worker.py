@@ -631,6 +631,41 @@ def case_groups(out: Path) -> dict[str, Any]:
     return {"fds": counts}
 
 
+class RankZeroLearningRate(Callback):
+    """A user's bug: the learning rate raised on rank 0 only, after update 1."""
+
+    def on_step_end(self) -> None:
+        if self.trainer.state.global_step == 1 and get_rank() == 0:
+            for group in self.trainer.optimizer.param_groups:
+                group["lr"] *= 10
+
+
+class ZeroAtEnd(Callback):
+    """A master callback's own change after training (e.g. before an export): not a drift."""
+
+    def on_train_end(self) -> None:
+        with torch.no_grad():
+            for p in self.trainer.model.parameters():
+                p.zero_()
+
+
+def case_replicas(out: Path) -> dict[str, Any]:
+    """The default comparison of the replicas after the last update: a learning rate changed on
+    rank 0 only (caught), the same with ``check_sync_every=0`` (off), a master callback zeroing
+    rank 0's weights in ``on_train_end`` (after the comparison: no error)."""
+    caught = ""
+    try:
+        make_trainer(32, n_epochs=2, callbacks_all=[RankZeroLearningRate()]).train()
+    except RuntimeError as exc:
+        caught = str(exc)
+    off = make_trainer(32, n_epochs=2, callbacks_all=[RankZeroLearningRate()], check_sync_every=0)
+    steps = off.train()["steps"]
+    model = ToyNet()
+    make_trainer(32, model, callbacks_master=[ZeroAtEnd()]).train()
+    zeroed = all(not p.any() for p in model.parameters())
+    return {"caught": caught, "off_steps": steps, "zeroed": zeroed}
+
+
 CASES: dict[str, Callable[[Path], dict[str, Any]]] = {
     "equivalence": case_equivalence,
     "comm": case_comm,
@@ -641,6 +676,7 @@ CASES: dict[str, Callable[[Path], dict[str, Any]]] = {
     "best": case_best,
     "fitlog": case_fitlog,
     "groups": case_groups,
+    "replicas": case_replicas,
 }
 
 
