@@ -186,22 +186,29 @@ def test_sys_exit_in_a_callback_is_reported_as_a_failure(caplog: pytest.LogCaptu
 
 
 @pytest.mark.usefixtures("no_dist_env")
-def test_a_damaged_best_model_file_is_named_when_it_is_loaded(tmp_path: Path) -> None:
-    """The best model's file cut short after its last write: ``load_best_model`` raises an
-    ``OSError`` naming it, on every rank alike (an audit: torch's "[Errno 22] Invalid
-    argument" on rank 0 alone, the others a lost peer)."""
+@pytest.mark.parametrize("damage", ["cut", "replaced"])
+def test_a_damaged_best_model_file_is_named_when_it_is_loaded(damage: str, tmp_path: Path) -> None:
+    """The best model's file cut short after its last write, or replaced by another model's
+    weights: ``load_best_model`` raises an ``OSError`` naming it, on every rank alike (an
+    audit: torch's "[Errno 22] Invalid argument", or the strict load's error, on rank 0
+    alone, the others a lost peer)."""
+    cause = {"cut": "", "replaced": r" \(ValueError: it holds another model: missing \['hidden.bias'"}
 
-    def damage(trainer: Any) -> None:
+    def damage_it(trainer: Any) -> None:
         if trainer.state.epoch == 2:  # after its evaluation, the last to write the best model
             (best,) = tmp_path.glob("best_*")
-            best.write_bytes(best.read_bytes()[:100])
+            if damage == "cut":
+                best.write_bytes(best.read_bytes()[:100])
+            else:
+                torch.save({"hidden.weight": torch.zeros(2, 2)}, best)
 
     trainer = make_trainer(
         64, n_epochs=2, save_path=str(tmp_path), dev_data=ToyData(8), metrics=AccuracyMetric(),
-        callbacks_master=[on("on_epoch_end", damage)],
+        callbacks_master=[on("on_epoch_end", damage_it)],
     )  # fmt: skip
     best = re.escape(str(tmp_path / "best_")) + r"\S+"
-    with pytest.raises(OSError, match=rf"load_best_model: the best model {best} cannot be read"):
+    message = rf"load_best_model: the best model {best} cannot be read{cause[damage]}"
+    with pytest.raises(OSError, match=message):
         trainer.train()
     assert trainer.state.epoch_complete and trainer.state.epoch == 2  # trained, checkpointed
 

@@ -6,6 +6,8 @@ import os
 import time
 from typing import Any
 
+import torch
+
 from fastdist.checkpoint.export import SUFFIXES, read_model, write_model
 from fastdist.checkpoint.files import claim_new, remove, write_failure
 from fastdist.distributed import agreed, get_rank
@@ -84,19 +86,22 @@ class BestModel:
 
     def load(self, is_master: bool) -> None:
         """Rank 0 loads the best weights; every rank then holds them (a collective). A file
-        that cannot be read raises the same ``OSError`` on every rank, naming it."""
+        that cannot be read, or holds another model, raises the same ``OSError`` on every
+        rank, naming it."""
 
         def read() -> dict[str, Any] | None:
             if not is_master or self.path is None:
                 return self._weights if is_master else None
             try:
-                return read_model(self.path, model_class(self.strategy.model))
+                weights = read_model(self.path, model_class(self.strategy.model))
+                check_fits(weights, self.strategy.model.state_dict())
             except Exception as exc:  # torch's and safetensors' words name no file
                 raise OSError(
                     f"load_best_model: the best model {self.path} cannot be read "
-                    f"({type(exc).__name__}: {exc}); it was damaged or removed since it was "
-                    "written: the model keeps its last weights (the checkpoints are intact)"
+                    f"({type(exc).__name__}: {exc}); it was damaged, replaced or removed since "
+                    "it was written: the model keeps its last weights (the checkpoints are intact)"
                 ) from exc
+            return weights
 
         self.strategy.load_full_state_dict(agreed(read, self.group))
 
@@ -126,3 +131,18 @@ class BestModel:
             self._weights = weights
         else:  # no collective here: torchft heals on each rank alone
             self._write(weights)
+
+
+def check_fits(weights: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Raise ``ValueError`` unless ``weights`` have the names and shapes of ``expected`` (a
+    model's ``state_dict``), as a strict ``load_state_dict`` asks."""
+    shapes = {name: tuple(t.shape) for name, t in weights.items() if isinstance(t, torch.Tensor)}
+    wanted = {name: tuple(t.shape) for name, t in expected.items() if isinstance(t, torch.Tensor)}
+    if shapes == wanted:
+        return
+    missing, unexpected = sorted(wanted.keys() - shapes.keys()), sorted(shapes.keys() - wanted)
+    other = sorted(n for n in wanted.keys() & shapes.keys() if wanted[n] != shapes[n])
+    raise ValueError(
+        f"it holds another model: missing {missing[:3]}, unexpected {unexpected[:3]}, "
+        f"other shapes {[(n, shapes[n], wanted[n]) for n in other[:3]]} (at most 3 of each)"
+    )
