@@ -186,13 +186,32 @@ def test_sys_exit_in_a_callback_is_reported_as_a_failure(caplog: pytest.LogCaptu
 
 
 @pytest.mark.usefixtures("no_dist_env")
+def test_a_many_line_error_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """An error whose message spans lines (a DataLoader worker's carries the worker's
+    traceback) is named by its first line in the failure report; its whole message ends the
+    traceback logged with it (an audit: the worker's traceback was logged twice)."""
+
+    def fail_at(trainer: Any) -> None:
+        raise ValueError("first line\n" + "second" + " line")  # the source line: not counted
+
+    fail = on("on_step_end", fail_at)
+    with caplog.at_level(logging.ERROR, logger="fastdist"), pytest.raises(ValueError):
+        make_trainer(16, callbacks_all=[fail]).train()
+    assert "rank 0 raised ValueError: first line\n  rank 0 (this rank): epoch 1" in caplog.text
+    assert caplog.text.count("second line") == 1
+
+
+@pytest.mark.usefixtures("no_dist_env")
 @pytest.mark.parametrize("damage", ["cut", "replaced"])
 def test_a_damaged_best_model_file_is_named_when_it_is_loaded(damage: str, tmp_path: Path) -> None:
     """The best model's file cut short after its last write, or replaced by another model's
     weights: ``load_best_model`` raises an ``OSError`` naming it, on every rank alike (an
     audit: torch's "[Errno 22] Invalid argument", or the strict load's error, on rank 0
     alone, the others a lost peer)."""
-    cause = {"cut": "", "replaced": r" \(ValueError: it holds another model: missing \['hidden.bias'"}
+    cause = {
+        "cut": "",
+        "replaced": r" \(ValueError: it holds another model: missing \['hidden.bias'",
+    }
 
     def damage_it(trainer: Any) -> None:
         if trainer.state.epoch == 2:  # after its evaluation, the last to write the best model

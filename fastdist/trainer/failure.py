@@ -12,6 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from fastdist.checks import first_line
 from fastdist.distributed import hang
 from fastdist.distributed.bounded import STORE_WAIT_S, within
 from fastdist.distributed.env import note_failure
@@ -88,7 +89,10 @@ def _report(
     note_failure(exc)
     hang.note_failure(exc)
     summary = f"{type(exc).__name__}: {exc}".strip()
-    board.publish_failure(summary[:300])
+    # A raising rank's own line: the traceback logged with it ends with the whole message
+    # (a DataLoader worker's error carries the worker's traceback in it).
+    headline = f"{type(exc).__name__}: {first_line(exc, 300)}".strip()
+    board.publish_failure(headline)
     if is_collective_failure(exc):
         limit = f"{timeout:g} s (DistTrainer(timeout=...))" if timeout else "the group's timeout"
         headline = f"a collective failed on rank {board.rank} (waits are bounded by {limit})"
@@ -108,7 +112,7 @@ def _report(
         if records:
             logger.error("%s:\n%s", _dumps(records), describe(records, board.world_size))
     else:
-        logger.error("rank %d raised %s\n%s", board.rank, summary, board.report(), exc_info=exc)
+        logger.error("rank %d raised %s\n%s", board.rank, headline, board.report(), exc_info=exc)
 
 
 def _silent(records: dict[int, dict[str, Any]], board: PositionBoard) -> list[int]:
