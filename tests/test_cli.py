@@ -139,6 +139,20 @@ def test_plot_joins_a_killed_run_and_its_resume(tmp_path: Path) -> None:
     assert [len(line.get_xdata()) for line in axes["update time (ms)"].lines[:2]] == [5, 5]
 
 
+def test_plot_draws_a_log_of_one_step_as_points(tmp_path: Path) -> None:
+    """A run with one log step: each panel shows its point (the per-rank update times were a
+    line of one point, which draws nothing: an empty panel, an audit found)."""
+    pytest.importorskip("matplotlib")
+    ranks = [{"rank": 0, "update_ms": 5.0}, {"rank": 1, "update_ms": 7.0}]
+    step = {"kind": "train", "step": 1, "loss": 0.5, "lr": 0.1, "ranks": ranks}
+    log = tmp_path / "log.jsonl"
+    log.write_text(
+        "".join(json.dumps(line) + "\n" for line in [{"kind": "start", "step": 0}, step])
+    )
+    for ax in figure({"run": load_run(log)}).axes:
+        assert ax.lines and all(line.get_marker() == "o" for line in ax.lines), ax.get_ylabel()
+
+
 def test_run_names(tmp_path: Path) -> None:
     paths = ["x/a/save/log.jsonl", "x/b/save/log.jsonl", "c/other.jsonl", "c/other.jsonl"]
     assert run_names([tmp_path / p for p in paths]) == ["a/save", "b/save", "other", "other#2"]

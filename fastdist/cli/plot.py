@@ -326,7 +326,10 @@ def _draw_rank_times(ax: Any, runs: dict[str, list[Record]]) -> None:
     for i, (label, records) in enumerate(runs.items()):
         for rank, (xs, ys) in sorted(rank_series(records).items()):
             name = f"{label} rank {rank}" if len(runs) > 1 else f"rank {rank}"
-            ax.plot(xs, ys, "-", color=f"C{(i + rank) % 10}", label=name, linewidth=1.2)
+            style = "o-" if len(xs) == 1 else "-"  # one log step: a line of one point is not drawn
+            ax.plot(
+                xs, ys, style, color=f"C{(i + rank) % 10}", label=name, markersize=3, linewidth=1.2
+            )
     ax.set_ylabel("update time (ms)")
     if 1 < len(ax.lines) <= 16:  # beyond that the legend hides the plot
         ax.legend(fontsize="small", frameon=False, ncols=min(len(ax.lines), 4))
