@@ -202,24 +202,28 @@ def test_a_many_line_error_is_logged_once(caplog: pytest.LogCaptureFixture) -> N
 
 
 @pytest.mark.usefixtures("no_dist_env")
-@pytest.mark.parametrize("damage", ["cut", "replaced"])
+@pytest.mark.parametrize("damage", ["cut", "flipped", "replaced"])
 def test_a_damaged_best_model_file_is_named_when_it_is_loaded(damage: str, tmp_path: Path) -> None:
-    """The best model's file cut short after its last write, or replaced by another model's
-    weights: ``load_best_model`` raises an ``OSError`` naming it, on every rank alike (an
-    audit: torch's "[Errno 22] Invalid argument", or the strict load's error, on rank 0
-    alone, the others a lost peer)."""
-    cause = {
-        "cut": "",
-        "replaced": r" \(ValueError: it holds another model: missing \['hidden.bias'",
-    }
+    """The best model's file cut short after its last write, bytes of it flipped in place, or
+    replaced by another model's weights of the same names and shapes: ``load_best_model``
+    raises an ``OSError`` naming it, on every rank alike (audits: torch's "[Errno 22] Invalid
+    argument" on rank 0 alone, the others a lost peer; the flipped and the replaced weights
+    loaded silently, a wrong model)."""
+    changed = r" \(ValueError: its contents differ from what was written \(CRC-32\)\)"
+    cause = {"cut": "", "flipped": changed, "replaced": changed}
 
     def damage_it(trainer: Any) -> None:
         if trainer.state.epoch == 2:  # after its evaluation, the last to write the best model
             (best,) = tmp_path.glob("best_*")
+            data = bytearray(best.read_bytes())
             if damage == "cut":
-                best.write_bytes(best.read_bytes()[:100])
+                best.write_bytes(data[:100])
+            elif damage == "flipped":
+                middle = len(data) // 2
+                data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+                best.write_bytes(data)
             else:
-                torch.save({"hidden.weight": torch.zeros(2, 2)}, best)
+                torch.save(ToyNet(seed=7).state_dict(), best)
 
     trainer = make_trainer(
         64, n_epochs=2, save_path=str(tmp_path), dev_data=ToyData(8), metrics=AccuracyMetric(),

@@ -6,10 +6,8 @@ import os
 import time
 from typing import Any
 
-import torch
-
 from fastdist.checkpoint.export import SUFFIXES, read_model, write_model
-from fastdist.checkpoint.files import claim_new, remove, write_failure
+from fastdist.checkpoint.files import claim_new, crc32, remove, write_failure
 from fastdist.distributed import agreed, get_rank
 from fastdist.strategies import Strategy, model_class
 
@@ -48,6 +46,7 @@ class BestModel:
         self.keep_in_memory = keep_in_memory
         self.format = format
         self.path: str | None = None
+        self.checksums: dict[str, int] | None = None  # of the file as written (rank 0)
         self._weights: dict[str, Any] | None = None
 
     def save(self) -> None:
@@ -76,6 +75,7 @@ class BestModel:
         path = self.path
         try:
             write_model(weights, path, self.format, self.strategy.model)
+            self.checksums = checksums(path)
         except (OSError, RuntimeError) as exc:
             if claimed:  # empty: nothing of the user's
                 remove(path)
@@ -86,15 +86,16 @@ class BestModel:
 
     def load(self, is_master: bool) -> None:
         """Rank 0 loads the best weights; every rank then holds them (a collective). A file
-        that cannot be read, or holds another model, raises the same ``OSError`` on every
-        rank, naming it."""
+        that cannot be read or changed since it was written (its CRC-32: damaged, or replaced
+        by another model's) raises the same ``OSError`` on every rank, naming it."""
 
         def read() -> dict[str, Any] | None:
             if not is_master or self.path is None:
                 return self._weights if is_master else None
             try:
+                if self.checksums is not None and checksums(self.path) != self.checksums:
+                    raise ValueError("its contents differ from what was written (CRC-32)")
                 weights = read_model(self.path, model_class(self.strategy.model))
-                check_fits(weights, self.strategy.model.state_dict())
             except Exception as exc:  # torch's and safetensors' words name no file
                 raise OSError(
                     f"load_best_model: the best model {self.path} cannot be read "
@@ -106,10 +107,10 @@ class BestModel:
         self.strategy.load_full_state_dict(agreed(read, self.group))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "weights": self._weights}
+        return {"path": self.path, "weights": self._weights, "checksums": self.checksums}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.path = state["path"]
+        self.path, self.checksums = state["path"], state.get("checksums")  # none in older ones
         if get_rank() == 0:  # only rank 0 keeps the weights (absent in format 1)
             self._weights = state.get("weights")
 
@@ -133,16 +134,8 @@ class BestModel:
             self._write(weights)
 
 
-def check_fits(weights: dict[str, Any], expected: dict[str, Any]) -> None:
-    """Raise ``ValueError`` unless ``weights`` have the names and shapes of ``expected`` (a
-    model's ``state_dict``), as a strict ``load_state_dict`` asks."""
-    shapes = {name: tuple(t.shape) for name, t in weights.items() if isinstance(t, torch.Tensor)}
-    wanted = {name: tuple(t.shape) for name, t in expected.items() if isinstance(t, torch.Tensor)}
-    if shapes == wanted:
-        return
-    missing, unexpected = sorted(wanted.keys() - shapes.keys()), sorted(shapes.keys() - wanted)
-    other = sorted(n for n in wanted.keys() & shapes.keys() if wanted[n] != shapes[n])
-    raise ValueError(
-        f"it holds another model: missing {missing[:3]}, unexpected {unexpected[:3]}, "
-        f"other shapes {[(n, shapes[n], wanted[n]) for n in other[:3]]} (at most 3 of each)"
-    )
+def checksums(path: str) -> dict[str, int]:
+    """The CRC-32 of the file ``path``, or of each file of the folder ``path`` (``"hf"``)."""
+    if not os.path.isdir(path):
+        return {"": crc32(path)}
+    return {name: crc32(os.path.join(path, name)) for name in sorted(os.listdir(path))}
