@@ -31,6 +31,19 @@ def is_fsdp_module(obj: Any) -> TypeIs[FSDPModule]:
     return isinstance(obj, FSDPModule)
 
 
+def piece(tensor: Any) -> tuple[tuple[int, int], ...]:
+    """Which piece of its whole tensor ``tensor`` holds on this rank: ``(mesh dimension,
+    coordinate)`` along each dimension a DTensor is split (or partial) over; ``()`` for a plain
+    tensor. Ranks that hold the same piece of a parameter hold copies of it."""
+    if not is_dtensor(tensor):
+        return ()
+    coordinate = tensor.device_mesh.get_coordinate()
+    assert coordinate is not None  # a rank holding a DTensor is on its mesh
+    return tuple(
+        (d, coordinate[d]) for d, p in enumerate(tensor.placements) if not p.is_replicate()
+    )
+
+
 def local_shards(state: Any) -> Any:
     """``state`` (a nested dict/list of a sharded model's or optimizer's state) with every
     DTensor replaced by this rank's local shard: what a peer replica group's matching rank

@@ -314,17 +314,16 @@ class FSDP(FaultTolerantStrategy):
         return topology.mesh(*data)
 
     def replicas(self, step: int) -> list[tuple[str, torch.Tensor]]:
-        """Each rank's shards, which the replica groups (HSDP) hold copies of; none under
-        plain FSDP (each parameter has one copy, split over the ranks)."""
+        """The parameters (DTensors: each rank's piece is compared with the ranks holding the
+        same, as HSDP's replica groups and tensor-parallel peers do); none under plain FSDP
+        (each parameter has one copy, split over the ranks)."""
         if self.torchft is not None:  # compared with the same rank of every group
             shards = [(name, local_shards(p)) for name, p in self.model.named_parameters()]
             self.torchft.check_in_sync(shards, step)
             return []  # no copy within the group
-        if not is_fsdp_module(self.model):
-            return super().replicas(step)
-        if self.topology.size("dp_replicate") == 1:
+        if is_fsdp_module(self.model) and self.topology.size("dp_replicate", "tp") == 1:
             return []
-        return [(name, p.to_local()) for name, p in self.model.named_parameters()]  # type: ignore[attr-defined]
+        return super().replicas(step)
 
     def after_evaluation(self) -> None:
         """Shard the root's parameters again: a forward without backward leaves them gathered

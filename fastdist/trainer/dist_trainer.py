@@ -89,7 +89,8 @@ class DistTrainer:
             update only (before ``on_train_end``; across torchft's replica groups only where N
             asks); 0 turns it off. (Under local SGD they are compared where they agree; under
             FSDP each parameter has one copy: there is nothing to compare; under HSDP the
-            replica groups' shards are compared: ``topology.copies``.)
+            replica groups' shards are compared, under tensor parallel the parameters the
+            plan leaves whole.)
         checkpoint_every: write a checkpoint every N optimizer updates as well as at every
             epoch end (0: epoch ends only).
         checkpoint_dir: where checkpoints go; default ``<save_path>/checkpoints``; with

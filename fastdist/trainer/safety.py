@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fastdist.distributed import all_gather_object
+from fastdist.distributed.dtensor import is_dtensor, piece
 from fastdist.distributed.norms import global_norm
 from fastdist.logging import logger
 from fastdist.state import TrainerState
@@ -35,24 +36,33 @@ def failing_ranks(failure: Any, group: Any) -> dict[int, Any]:
 def check_in_sync(strategy: Strategy, step: int, every: int | None, at_end: bool) -> None:
     """Where ``check_sync_every`` (``every``) asks: after every N-th update and at the end
     (``at_end``: after the last update), or, ``None``, at the end only, and there across
-    torchft's replica groups only where N asks: compare a checksum of every tensor the ranks
-    hold copies of after update ``step`` (:meth:`~fastdist.strategies.Strategy.replicas`, the
-    same names within each group of :attr:`~fastdist.strategies.Topology.copies`) across
-    ranks; raise on every rank on the first that differs. Nothing to compare (FSDP: one copy
-    of each parameter, or one process): no collective."""
+    torchft's replica groups only where N asks: compare a checksum of each tensor the ranks
+    hold copies of after update ``step`` (:meth:`~fastdist.strategies.Strategy.replicas`)
+    across the ranks that hold the same piece of it (a plain tensor: the whole; a DTensor:
+    the same coordinates along the mesh dimensions it is split over, so tensor parallel's
+    replicated parameters and HSDP's shards are compared too); raise on every rank on the
+    first that differs. Nothing to compare (FSDP: one copy of each parameter, or one
+    process): no collective."""
     if every is None:
         due = at_end and strategy.replica_group[1] == 1
     else:
         due = every > 0 and (at_end or step % every == 0)
     if not due:
         return
-    replicas, copies = strategy.replicas(step), strategy.topology.copies
-    if not replicas or all(len(ranks) == 1 for ranks in copies):
+    replicas = strategy.replicas(step)
+    if not replicas or strategy.topology.world_size == 1:
         return
-    sums = {name: float(t.detach().sum(dtype=torch.float64)) for name, t in replicas}
-    everyone = all_gather_object(sums, strategy.group)  # a pipeline's stages: each its own tensors
-    for ranks, name in ((r, n) for r in copies for n in everyone[r[0]]):
-        values = {rank: everyone[rank].get(name) for rank in ranks}
+    local = ((name, t.to_local() if is_dtensor(t) else t) for name, t in replicas)
+    sums = {name: float(t.detach().sum(dtype=torch.float64)) for name, t in local}
+    pieces = {name: piece(t) for name, t in replicas}
+    everyone = all_gather_object(
+        (pieces, sums), strategy.group
+    )  # a pipeline's stages: each its own
+    copies: dict[tuple[str, Any], dict[int, float]] = {}  # (name, piece): checksum by rank
+    for rank, (their_pieces, their_sums) in enumerate(everyone):
+        for name, value in their_sums.items():
+            copies.setdefault((name, their_pieces[name]), {})[rank] = value
+    for (name, _), values in copies.items():
         if len({repr(v) for v in values.values()}) > 1:  # NaN on every rank: the same
             raise RuntimeError(
                 f"parameter {name!r} differs across ranks at step {step} (checksums by rank: "

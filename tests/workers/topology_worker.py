@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import IterableDataset
 from workers.ending import exit_now
 from workers.fsdp_worker import BlockNet
@@ -46,13 +47,23 @@ class Steps(Callback):
 
 
 class Diverge(Callback):
-    """Run on rank 0 only (callbacks_master): its copy of the first parameter's shard drifts
-    after update 2, as code on one rank only would make it."""
+    """Run on rank 0 only (callbacks_master): its copy of the first parameter (or of its
+    shard) drifts after update 2, as code on one rank only would make it."""
 
     def on_step_end(self) -> None:
         if self.trainer.state.global_step == 2:
+            first = next(self.trainer.model.parameters())
             with torch.no_grad():
-                next(self.trainer.model.parameters()).to_local().add_(1.0)
+                (first.to_local() if isinstance(first, DTensor) else first).add_(1.0)
+
+
+def diverged(strategy: Any, **options: Any) -> str:
+    """The error of a run whose rank 0 changes its copy of a parameter (``""``: none)."""
+    try:
+        train(strategy, callbacks_master=[Diverge()], **options)
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
 
 
 class Part(IterableDataset):
@@ -123,16 +134,13 @@ def main(argv: list[str]) -> int:
         result["plain"] = train("ddp")
     elif mode == "tp":
         result = tensor_parallel(FSDP(tp=2, tp_plan=PLAN))
+        result["diverged"] = diverged(FSDP(tp=2, tp_plan=PLAN))  # an unplanned layer: copies
     elif mode == "hsdp":
         result["bad"] = refused(lambda: train(FSDP(replicate=3)))
         result["meshes_made"] = len(_MESHES)
         result["hsdp"] = train(FSDP(replicate=2), batch=2, check_sync_every=1)
         result["ddp"] = train("ddp", batch=2, check_sync_every=1)
-        try:
-            train(FSDP(replicate=2), batch=2, check_sync_every=1, callbacks_master=[Diverge()])
-            result["diverged"] = ""
-        except RuntimeError as exc:
-            result["diverged"] = str(exc)
+        result["diverged"] = diverged(FSDP(replicate=2), batch=2, check_sync_every=1)
     else:
         result["hsdp_tp"] = train(FSDP(replicate=2, tp=2, tp_plan=PLAN), batch=2)
     write_json(out, result)
