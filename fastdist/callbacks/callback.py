@@ -178,6 +178,9 @@ class CallbackList:
             for hook in HOOKS
         }
         self.current: str | None = None  # the hook running now, for failure reports
+        #: Whether a callback answers a per-micro-batch hook: if none does, the update calls
+        #: none of them (an empty call costs 0.4 us; five per micro-batch).
+        self.per_micro_batch = any(self.hooks[hook] for hook in PER_MICRO_BATCH)
         for hook in PER_MICRO_BATCH:  # called up to five times per micro-batch: when no
             if not self.hooks[hook]:  # callback answers one, it costs one empty call
                 setattr(self, hook, _nothing)

@@ -39,6 +39,7 @@ class Update:
         self.timer, self.world, self.strategy = run.timer, run.world, run.strategy
         self.feed, self.loss_fn = run.forward, run.loss_fn
         self.fp32 = run.precision.amp is None
+        self.hooked = run.callbacks.per_micro_batch  # else no hook is called per micro-batch
         self.plain = self.fp32  # the micro-batch drawn last is fp32 and trains (no filler)
         self.batches = batches
         self.modes = modes
@@ -62,7 +63,8 @@ class Update:
             self.last = self.state.is_update
             if not self.model.training:  # a callback's model.eval(): the pass's modes again
                 self.modes.restore()
-            self.callbacks.on_batch_begin(batch)
+            if self.hooked:
+                self.callbacks.on_batch_begin(batch)
             yield batch
             if self.last:
                 return
@@ -97,13 +99,15 @@ class Update:
         if index != self.state.batch_idx:  # a schedule's: every micro-batch is drawn
             self._at(index)
         share, samples = data.weights[index], data.samples[index]
-        self.callbacks.on_loss_begin(batch, output)  # not in a filler's eval mode: its changes hold
+        if self.hooked:  # not in a filler's eval mode: its changes hold
+            self.callbacks.on_loss_begin(batch, output)
         if self.plain and self.model.training:
             loss = losses.add(self.loss_fn(output, batch), share, samples)
         else:
             with self._context():
                 loss = losses.add(self.loss_fn(output, batch), share, samples)
-        self.callbacks.on_backward_begin(loss)
+        if self.hooked:
+            self.callbacks.on_backward_begin(loss)
         weight = losses.weight(share)
         return self.precision.scale(loss if weight == 1.0 else loss * weight)
 
@@ -123,9 +127,10 @@ class Update:
                 self.strategy.average_over_groups,
             )
             self.timer.backward_done()  # splits off the all-reduce wait
-        self.callbacks.on_backward_end()
-        if not state.is_update:
-            self.callbacks.on_batch_end()
+        if self.hooked:
+            self.callbacks.on_backward_end()
+            if not state.is_update:
+                self.callbacks.on_batch_end()
 
     def mode(self, module: nn.Module | None = None) -> contextlib.AbstractContextManager:
         """The mode of the micro-batch drawn last, on ``module`` (a wrapper of the model, or
