@@ -225,7 +225,7 @@ class LossTracker:
             return torch.zeros(1, dtype=torch.float64, device=self.device)
         values = torch.stack(losses).to(torch.float64)
         first = samples[0]
-        if all(s == first for s in samples):  # the common case: one op, no copy to the device
+        if samples.count(first) == len(samples):  # the common case: one op, no device copy
             return values if first == 1 else values.mul_(first)
         return values.mul_(torch.tensor(samples, dtype=torch.float64, device=self.device))
 
@@ -233,7 +233,7 @@ class LossTracker:
         """The held updates' weighted losses summed per update, float64."""
         sizes = self.held_sizes
         size = sizes[0]
-        if size and all(s == size for s in sizes):  # the common case: windows alike
+        if size and sizes.count(size) == len(sizes):  # the common case: windows alike
             values = self._weighted(self.held, self.held_samples)
             return values if size == 1 else values.view(len(sizes), size).sum(1)
         sums = torch.zeros(len(sizes), dtype=torch.float64, device=self.device)
