@@ -106,10 +106,6 @@ class LossTracker:
             )
         return loss, count, samples
 
-    def weight(self, share: float) -> float:
-        """A mean weighs by its micro-batch's ``share`` of the update; a sum waits (below)."""
-        return float(share > 0) if self.counted else share
-
     def window_loss(self) -> torch.Tensor:
         """The current update's summed loss, float64 on the device."""
         return self._weighted(self.window, self.window_samples).sum()

@@ -108,8 +108,13 @@ class Update:
                 loss = losses.add(self.loss_fn(output, batch), share, samples)
         if self.hooked:
             self.callbacks.on_backward_begin(loss)
-        weight = losses.weight(share)
-        return self.precision.scale(loss if weight == 1.0 else loss * weight)
+        # A mean weighs by its share of the update's samples; a (sum, count) loss by 1 (end
+        # divides the gradients by the update's count); a filler's by 0.
+        weight = float(share > 0) if losses.counted else share
+        if weight != 1.0:
+            loss = loss * weight
+        precision = self.precision  # fp16: times the gradient scaler's scale
+        return loss if precision.scaler is None else precision.scale(loss)
 
     def end(self) -> None:
         """After the next micro-batch's backward."""
