@@ -91,8 +91,8 @@ def _report(
     summary = f"{type(exc).__name__}: {exc}".strip()
     # A raising rank's own line: the traceback logged with it ends with the whole message
     # (a DataLoader worker's error carries the worker's traceback in it).
-    headline = f"{type(exc).__name__}: {first_line(exc, 300)}".strip()
-    board.publish_failure(headline)
+    first = f"{type(exc).__name__}: {first_line(exc, 300)}".strip()
+    board.publish_failure(first)
     if is_collective_failure(exc):
         limit = f"{timeout:g} s (DistTrainer(timeout=...))" if timeout else "the group's timeout"
         headline = f"a collective failed on rank {board.rank} (waits are bounded by {limit})"
@@ -112,7 +112,7 @@ def _report(
         if records:
             logger.error("%s:\n%s", _dumps(records), describe(records, board.world_size))
     else:
-        logger.error("rank %d raised %s\n%s", board.rank, headline, board.report(), exc_info=exc)
+        logger.error("rank %d raised %s\n%s", board.rank, first, board.report(), exc_info=exc)
 
 
 def _silent(records: dict[int, dict[str, Any]], board: PositionBoard) -> list[int]:
