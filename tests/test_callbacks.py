@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
-from workers.trainer_worker import ToyData, ToyNet, make_trainer, on
+from workers.trainer_worker import ScheduleMetric, ToyData, ToyNet, make_trainer, on
 
 from fastdist import AccuracyMetric, Callback, CrossEntropyLoss
 from fastdist.callbacks import (
@@ -199,6 +199,41 @@ def test_a_many_line_error_is_logged_once(caplog: pytest.LogCaptureFixture) -> N
         make_trainer(16, callbacks_all=[fail]).train()
     assert "rank 0 raised ValueError: first line\n  rank 0 (this rank): epoch 1" in caplog.text
     assert caplog.text.count("second line") == 1
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_a_best_written_after_the_resumed_checkpoint_is_kept_and_not_called_damaged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The run stopped after its epoch-2 best was written over the best-model file, before
+    the epoch-2 checkpoint; resumed from epoch 1's with fewer epochs, it writes no best: the
+    file is not called damaged (an audit: every rank raised "damaged, replaced or removed"),
+    is left as the stopped run wrote it, and the model keeps its last weights. Resumed for
+    more epochs, its next best goes to a new file."""
+
+    def stop(trainer: Any) -> None:
+        if trainer.state.epoch == 2:  # after epoch 2's evaluation, before its checkpoint
+            raise RuntimeError("stopped")
+
+    def run(n_epochs: int, scores: list[float], **options: Any) -> Any:
+        trainer = make_trainer(
+            32, n_epochs=n_epochs, save_path=str(tmp_path), dev_data=ToyData(8),
+            metrics=ScheduleMetric(scores), **options,
+        )  # fmt: skip
+        return trainer, trainer.train(resume="auto")
+
+    with pytest.raises(RuntimeError, match="stopped"):
+        run(3, [0.5, 0.9, 0.1], callbacks_master=[on("on_epoch_end", stop)])
+    (stopped,) = tmp_path.glob("best_*")
+    written = stopped.read_bytes()
+    with caplog.at_level(logging.WARNING, logger="fastdist"):
+        trainer, result = run(1, [])  # epoch 1 was complete: nothing to train
+    assert result["best_epoch"] == 1 and stopped.read_bytes() == written
+    assert f"the best model {stopped} is not as the checkpoint this run resumes" in caplog.text
+    assert "the best model of epoch 1 step 4 is not on disk" in caplog.text
+    _, result = run(3, [0.7, 0.2])  # epoch 2's best (0.7) beats epoch 1's (0.5)
+    assert result["best_epoch"] == 2 and stopped.read_bytes() == written
+    assert len(list(tmp_path.glob("best_*"))) == 2
 
 
 @pytest.mark.usefixtures("no_dist_env")

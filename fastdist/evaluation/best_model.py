@@ -8,7 +8,8 @@ from typing import Any
 
 from fastdist.checkpoint.export import SUFFIXES, read_model, write_model
 from fastdist.checkpoint.files import claim_new, crc32, remove, write_failure
-from fastdist.distributed import agreed, get_rank
+from fastdist.distributed import agreed, broadcast_object, get_rank
+from fastdist.logging import logger
 from fastdist.strategies import Strategy, model_class
 
 
@@ -84,10 +85,12 @@ class BestModel:
             fix = "free space or use another save_path"
             raise OSError(write_failure("the best model", path, weights, cause, fix)) from exc
 
-    def load(self, is_master: bool) -> None:
-        """Rank 0 loads the best weights; every rank then holds them (a collective). A file
-        that cannot be read or changed since it was written (its CRC-32: damaged, or replaced
-        by another model's) raises the same ``OSError`` on every rank, naming it."""
+    def load(self, is_master: bool, epoch: int | None, step: int | None) -> None:
+        """Rank 0 loads the best weights (of ``epoch`` and ``step``, for the log); every rank
+        then holds them (collectives). A file that cannot be read or changed since it was
+        written (its CRC-32: damaged, or replaced by another model's) raises the same
+        ``OSError`` on every rank, naming it. After a resume that found the file changed (see
+        :meth:`load_state_dict`) and wrote no best since, the model keeps its weights."""
 
         def read() -> dict[str, Any] | None:
             if not is_master or self.path is None:
@@ -104,15 +107,43 @@ class BestModel:
                 ) from exc
             return weights
 
-        self.strategy.load_full_state_dict(agreed(read, self.group))
+        weights = agreed(read, self.group)
+        if not broadcast_object(weights is not None, group=self.group):
+            logger.warning(
+                "the best model of epoch %d step %d is not on disk (see the warning at the "
+                "resume): the model keeps its last weights",
+                epoch,
+                step,
+            )
+            return
+        self.strategy.load_full_state_dict(weights)
+        logger.info("loaded the best model of epoch %d step %d", epoch, step)
 
     def state_dict(self) -> dict[str, Any]:
         return {"path": self.path, "weights": self._weights, "checksums": self.checksums}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """On resume. A best-model file that is not as the checkpoint recorded it (the stopped
+        run wrote a later best after that checkpoint, or it was changed or removed since) is
+        left as it is: this run's next best goes to a new file."""
         self.path, self.checksums = state["path"], state.get("checksums")  # none in older ones
-        if get_rank() == 0:  # only rank 0 keeps the weights (absent in format 1)
-            self._weights = state.get("weights")
+        if get_rank() != 0:
+            return
+        self._weights = state.get("weights")  # only rank 0 keeps them (absent in format 1)
+        if self.path is None or self.checksums is None:
+            return
+        try:
+            kept = checksums(self.path) == self.checksums
+        except OSError:
+            kept = False
+        if not kept:
+            logger.warning(
+                "the best model %s is not as the checkpoint this run resumes from recorded it "
+                "(the stopped run wrote a later best after that checkpoint, or it was changed "
+                "or removed since): it is left as it is; this run's next best goes to a new file",
+                self.path,
+            )
+            self.path = self.checksums = None
 
     def live_state_dict(self) -> dict[str, Any]:
         """What a healing peer group takes (torchft): the best weights themselves (rank 0's;

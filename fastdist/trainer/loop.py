@@ -383,10 +383,7 @@ class Loop:
         self.sync(check_model=True)
         self.run.slow_ranks.summary()
         if self.options.load_best_model and state.best_eval is not None:
-            self.run.validator.best.load(self.world.rank == 0)
-            logger.info(
-                "loaded the best model of epoch %d step %d", state.best_epoch, state.best_step
-            )
+            self.run.validator.best.load(self.world.rank == 0, state.best_epoch, state.best_step)
 
     def where(self) -> Any:
         """The position board with this rank's precise position (for failure reports)."""
