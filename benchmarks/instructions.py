@@ -12,14 +12,18 @@ loop trains 3 updates to warm up, then 5, then ``5 + --updates``; a call of ``os
 between them makes callgrind write its counts so far (``--dump-before``), so the difference
 of the last two runs is the instructions of ``--updates`` updates, set-up excluded. fastdist's
 own count is its difference to the hand loop, split as in ``micro_batch.py`` into a part per
-micro-batch ((16 - 1) / 15) and one per update. Python's hash seed is fixed, so a run repeats
-to a few instructions per update; an instruction count is not a time (a cache miss costs
-more than an add), but it moves only when the work does.
+micro-batch ((16 - 1) / 15) and one per update. Python's garbage collector is off while the
+loops run: its collections' cost grows with the whole process's heap, and moved the hand
+loop's count by 100k instructions per update between two builds of fastdist (the objects
+only a collection frees live on until the process ends: a few MB). Python's hash seed is
+fixed, so a run repeats to a few instructions per update; an instruction count is not a time
+(a cache miss costs more than an add), but it moves only when the work does.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import glob
 import os
 import subprocess
@@ -46,6 +50,8 @@ def inner(updates: int) -> None:
     logging.getLogger("fastdist").setLevel(logging.WARNING)
     data = micro_batch.batches((RUNS[1] + updates) * max(WINDOWS))
     loops = {"hand": micro_batch.hand, "fastdist": micro_batch.fastdist_loop}
+    gc.collect()
+    gc.disable()  # no collection counted (see above)
     os.getppid()  # the end of the imports
     for name in LOOPS:
         for k in WINDOWS:
