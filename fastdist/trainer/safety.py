@@ -55,9 +55,7 @@ def check_in_sync(strategy: Strategy, step: int, every: int | None, at_end: bool
     local = ((name, t.to_local() if is_dtensor(t) else t) for name, t in replicas)
     sums = {name: float(t.detach().sum(dtype=torch.float64)) for name, t in local}
     pieces = {name: piece(t) for name, t in replicas}
-    everyone = all_gather_object(
-        (pieces, sums), strategy.group
-    )  # a pipeline's stages: each its own
+    everyone = all_gather_object((pieces, sums), strategy.group)  # a stage: its own names
     copies: dict[tuple[str, Any], dict[int, float]] = {}  # (name, piece): checksum by rank
     for rank, (their_pieces, their_sums) in enumerate(everyone):
         for name, value in their_sums.items():
