@@ -91,8 +91,8 @@ def _report(
     summary = f"{type(exc).__name__}: {exc}".strip()
     # A raising rank's own line: the traceback logged with it ends with the whole message
     # (a DataLoader worker's error carries the worker's traceback in it).
-    first = f"{type(exc).__name__}: {first_line(exc, 300)}".strip()
-    board.publish_failure(first)
+    first = f"{type(exc).__name__}: {first_line(exc, 2000)}".strip()
+    board.publish_failure(first[:300])
     if is_collective_failure(exc):
         limit = f"{timeout:g} s (DistTrainer(timeout=...))" if timeout else "the group's timeout"
         headline = f"a collective failed on rank {board.rank} (waits are bounded by {limit})"
