@@ -162,7 +162,8 @@ class Topology:
     @property
     def copies(self) -> list[list[int]]:
         """Every group of ranks that hold copies of the same parameters (or shards): the ranks
-        along ``dp_replicate``, as ``check_sync_every`` compares them."""
+        along ``dp_replicate``. (Tensor-parallel peers also hold copies of the parameters the
+        plan leaves whole; the replica check groups each parameter's copies by its layout.)"""
         starts = [r for r in range(self.world_size) if self._unravel(r)["dp_replicate"] == 0]
         return [self.ranks_along(start, "dp_replicate") for start in starts]
 
