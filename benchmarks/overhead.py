@@ -198,26 +198,31 @@ def token_case(size: int) -> Case:
     return Case(ByteModel, hand_batches, mean_token_loss, args)
 
 
-def make_case(name: str, rank: int, world: int) -> Case:
-    """The case ``name`` for this rank: data for WARMUP + UPDATES updates over EPOCHS."""
-    wl = WORKLOADS["accumulation" if name == "accumulation" else "tiny"]
-    per_epoch = -(-(WARMUP + UPDATES) // EPOCHS)
-    size = per_epoch * wl.update_every * BATCH * world
+def make_case(name: str, rank: int, world: int, updates: int = WARMUP + UPDATES) -> Case:
+    """The case ``name`` for this rank: data for ``updates`` updates over EPOCHS. Beyond
+    :data:`CASES`: ``medium`` (the Transformer of ``workloads.py``) and ``stream_accumulation``
+    (``stream`` with 4 micro-batches per update, against the map-style hand loop)."""
+    wl = WORKLOADS[name if name in ("accumulation", "medium") else "tiny"]
+    wl = WORKLOADS["accumulation"] if name == "stream_accumulation" else wl
+    per_epoch = -(-updates // EPOCHS)
+    size = per_epoch * wl.update_every * wl.batch_size * world
     if name == "tokens":
         return token_case(size)
     data = build_data(wl, size)
-    args: dict[str, Any] = {"loss": nn.CrossEntropyLoss(), "batch_size_per_gpu": BATCH}
+    batch = wl.batch_size
+    args: dict[str, Any] = {"loss": nn.CrossEntropyLoss(), "batch_size_per_gpu": batch}
     if name == "stream":
         part = OwnPart(data, rank, world)
         args["train_data"] = ShardedStream(OwnPart(data, rank, world))
-        return Case(lambda: build_model(wl), lambda _: DataLoader(part, BATCH), mean_loss, args)
+        return Case(lambda: build_model(wl), lambda _: DataLoader(part, batch), mean_loss, args)
     sampler = DistributedSampler(data, world, rank, shuffle=True, seed=SAMPLER_SEED)
 
     def hand_batches(epoch: int) -> Iterable[Any]:
         sampler.set_epoch(epoch)
-        return DataLoader(data, BATCH, sampler=sampler)
+        return DataLoader(data, batch, sampler=sampler)
 
-    args.update(train_data=data, update_every=wl.update_every)
+    stream = ShardedStream(OwnPart(data, rank, world)) if name == "stream_accumulation" else None
+    args.update(train_data=stream or data, update_every=wl.update_every)
     if name == "fsdp":
         args["strategy"] = "fsdp"
     model = lambda: build_model(wl)  # noqa: E731
