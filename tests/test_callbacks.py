@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import shutil
 import sys
 from collections import namedtuple
 from pathlib import Path
@@ -234,6 +235,70 @@ def test_a_best_written_after_the_resumed_checkpoint_is_kept_and_not_called_dama
     _, result = run(3, [0.7, 0.2])  # epoch 2's best (0.7) beats epoch 1's (0.5)
     assert result["best_epoch"] == 2 and stopped.read_bytes() == written
     assert len(list(tmp_path.glob("best_*"))) == 2
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_a_copied_or_moved_save_path_resumes_with_its_own_best_model(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``save_path`` copied, then resumed: its next best is written into the copy's own
+    file, the original's is left as it was (an audit: the resumed run rewrote the original's).
+    Moved, then resumed: the best model in it is loaded (an audit: it was looked for where
+    it had been, called changed, and the model kept its last weights)."""
+
+    def run(save: Path, n_epochs: int, scores: list[float]) -> Any:
+        return make_trainer(
+            32, n_epochs=n_epochs, save_path=str(save), dev_data=ToyData(8),
+            metrics=ScheduleMetric(scores),
+        ).train(resume="auto")  # fmt: skip
+
+    first, copy, moved = tmp_path / "first", tmp_path / "copy", tmp_path / "moved"
+    assert run(first, 1, [0.5])["best_epoch"] == 1
+    (original,) = first.glob("best_*")
+    written = original.read_bytes()
+    shutil.copytree(first, copy)
+    with caplog.at_level(logging.WARNING, logger="fastdist"):
+        assert run(copy, 2, [0.9])["best_epoch"] == 2  # resumed after epoch 1: a new best
+    assert original.read_bytes() == written
+    (own,) = copy.glob("best_*")
+    assert own.name == original.name and own.read_bytes() != written
+    first.rename(moved)
+    with caplog.at_level(logging.INFO, logger="fastdist"):
+        assert run(moved, 1, [])["best_epoch"] == 1  # nothing left to train: the best loaded
+    assert "loaded the best model of epoch 1 step 4" in caplog.text
+    assert "not as the checkpoint" not in caplog.text and "not on disk" not in caplog.text
+
+
+@pytest.mark.usefixtures("no_dist_env")
+def test_a_start_removes_what_killed_best_model_writes_left(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A best-model write killed before its rename leaves its temp (full size) and the name
+    it claimed (a file of 0 bytes, or an empty folder for ``"hf"``): the next start in that
+    ``save_path`` removes them, and nothing else (an audit: each kill left another pair, the
+    empty file looking like a best model)."""
+    stamp = "2026-01-01-00-00-00"
+    dead = [
+        f"best_ToyNet_acc_{stamp}.pt",  # claimed, empty
+        f"best_ToyNet_acc_{stamp}-2",  # an "hf" folder claimed, empty
+        f".tmp-{'a' * 32}-best_ToyNet_acc_{stamp}.pt",  # the write's temp
+        f".tmp-{'b' * 32}-best_ToyNet_acc_{stamp}-2",  # an "hf" write's temp folder
+    ]
+    kept = [f"best_ToyNet_acc_{stamp}-3.pt", "best_notes.txt", f".tmp-{'c' * 32}-notes.pt"]
+    tmp_path.joinpath(dead[0]).touch()
+    tmp_path.joinpath(dead[1]).mkdir()
+    tmp_path.joinpath(dead[2]).write_bytes(b"x" * 1000)
+    tmp_path.joinpath(dead[3]).mkdir()
+    tmp_path.joinpath(dead[3], "model.safetensors").write_bytes(b"x" * 10)
+    tmp_path.joinpath(kept[0]).write_bytes(b"a best model")
+    tmp_path.joinpath(kept[1]).touch()  # not a best model's name
+    tmp_path.joinpath(kept[2]).write_bytes(b"someone else's")
+    with caplog.at_level(logging.INFO, logger="fastdist"):
+        make_trainer(16, save_path=str(tmp_path)).train()
+    names = {p.name for p in tmp_path.iterdir()}
+    assert not names & set(dead) and set(kept) <= names
+    assert "removed 2 temp(s) of best-model writes that were killed" in caplog.text
+    assert "removed 2 empty best-model name(s) that killed writes claimed" in caplog.text
 
 
 @pytest.mark.usefixtures("no_dist_env")

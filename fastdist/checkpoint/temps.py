@@ -1,11 +1,13 @@
-"""The temps of checkpoint writes, and removing those that killed writes left.
+"""The temps of checkpoint and best-model writes, and removing those that killed writes left.
 
 A write killed before its rename (a ``.pt`` file's, a manifest's, a sharded checkpoint's
-folder) leaves its temp in the checkpoint directory, full size. Its writer holds an ``flock``
-on it while it lives (:func:`lock_temp`; :func:`~fastdist.checkpoint.files.atomic_file` locks
-its file), which the kernel releases when the process ends, however it ends. So a temp of this
-naming that no one holds locked is a dead write's: :func:`remove_stale` removes it, and
-:func:`clean` says so.
+folder, a best model's file or Hugging Face folder) leaves its temp in the checkpoint
+directory or ``save_path``, full size. Its writer holds an ``flock`` on it while it lives
+(:func:`lock_temp`; :func:`~fastdist.checkpoint.files.atomic_file` locks its file), which the
+kernel releases when the process ends, however it ends. So a temp of this naming that no one
+holds locked is a dead write's: :func:`remove_stale` removes it, and :func:`clean` says so.
+(A best model's Hugging Face folder is not locked: a run removes its temps only as it starts,
+holding ``save_path``'s lock, when no write of its own is under way.)
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import stat
 from fastdist.logging import logger
 
 #: The temps' names: ``.tmp-<hex>-step-00000120.pt`` and ``.tmp-<hex>-manifest.json`` (of
-#: ``atomic_file``; ``-step-00000240``: a checkpoint imported from a mirror) and
-#: ``.tmp-step-00000240`` (a sharded checkpoint's folder).
-TEMP_NAME = re.compile(r"\.tmp-([0-9a-f]{32}-(step-\d+(\.pt)?|manifest\.json)|step-\d{8})$")
+#: ``atomic_file``; ``-step-00000240``: a checkpoint imported from a mirror),
+#: ``.tmp-step-00000240`` (a sharded checkpoint's folder) and ``.tmp-<hex>-best_...`` (a best
+#: model's file, or its Hugging Face folder).
+TEMP_NAME = re.compile(r"\.tmp-([0-9a-f]{32}-(step-\d+(\.pt)?|manifest\.json|best_.+)|step-\d{8})$")
 
 
 def lock_temp(path: str) -> int:
@@ -74,22 +77,25 @@ def remove_stale(directory: str) -> tuple[list[str], int, list[str]]:
     return removed, freed, kept
 
 
-def clean(directory: str) -> None:
-    """:func:`remove_stale` in ``directory``, logging what it removed and what it could not."""
+def clean(directory: str, writes: str = "checkpoint") -> None:
+    """:func:`remove_stale` in ``directory``, logging what it removed and what it could not
+    (temps of ``writes``)."""
     removed, freed, kept = remove_stale(directory)
     if removed:
         logger.info(
-            "removed %d temp(s) of checkpoint writes that were killed (%s) from %s: %s",
+            "removed %d temp(s) of %s writes that were killed (%s) from %s: %s",
             len(removed),
+            writes,
             readable(freed),
             directory,
             ", ".join(removed),
         )
     if kept:
         logger.warning(
-            "could not remove %d temp(s) of checkpoint writes that were killed from %s: %s; "
+            "could not remove %d temp(s) of %s writes that were killed from %s: %s; "
             "remove them yourself (they take disk space)",
             len(kept),
+            writes,
             directory,
             ", ".join(kept),
         )
@@ -104,13 +110,16 @@ def readable(size: int) -> str:
 
 
 def _of_its_kind(path: str, name: str) -> bool:
-    """Whether ``path`` is what its name says: a folder (``.tmp-step-N``), else a regular
-    file; a link is neither."""
+    """Whether ``path`` is what its name says: a folder (``.tmp-step-N``), a regular file or
+    a folder (a best model's), else a regular file; a link is neither."""
     try:
         mode = os.lstat(path).st_mode
     except OSError:  # gone meanwhile
         return False
-    return stat.S_ISDIR(mode) if name.startswith(".tmp-step-") else stat.S_ISREG(mode)
+    if name.startswith(".tmp-step-"):
+        return stat.S_ISDIR(mode)
+    best = name[38:].startswith("best_")  # after ".tmp-<32 hex>-"
+    return stat.S_ISREG(mode) or (best and stat.S_ISDIR(mode))
 
 
 def _size(path: str) -> int:

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Any
 
 from fastdist.checkpoint.export import SUFFIXES, read_model, write_model
 from fastdist.checkpoint.files import claim_new, crc32, remove, write_failure
+from fastdist.checkpoint.temps import clean
 from fastdist.distributed import agreed, broadcast_object, get_rank
 from fastdist.logging import logger
 from fastdist.strategies import Strategy, model_class
+
+#: A best model's name (``best_<class>_<metric>_<time>``, ``-2``... if taken, and a suffix).
+NAME = re.compile(r"best_.+_\d{4}(-\d\d){5}(-\d+)?(\.[a-z]+)?$")
 
 
 class BestModel:
@@ -57,8 +62,8 @@ class BestModel:
             return
         weights = self.strategy.full_state_dict()
         if self.save_path is None:
-            if weights is not None:  # rank 0
-                self._weights = weights
+            if weights is not None:  # rank 0; a resumed run's file is older than these
+                self._weights, self.path, self.checksums = weights, None, None
             return
         agreed(lambda: None if weights is None else self._write(weights), self.group)
 
@@ -84,6 +89,36 @@ class BestModel:
             cause = exc.__cause__ or exc  # atomic_save's own words speak of a checkpoint
             fix = "free space or use another save_path"
             raise OSError(write_failure("the best model", path, weights, cause, fix)) from exc
+
+    def remove_dead_writes(self) -> None:
+        """As a run starts, on rank 0, which holds ``save_path``'s lock: remove what writes of
+        best models killed before their rename left there: their temps, and the names they
+        claimed, still empty (a file of 0 bytes, an empty folder). Nothing else is touched."""
+        if self.save_path is None or get_rank() != 0 or not os.path.isdir(self.save_path):
+            return
+        clean(self.save_path, "best-model")
+        removed = []
+        for name in sorted(os.listdir(self.save_path)):
+            path = os.path.join(self.save_path, name)
+            if not NAME.match(name) or os.path.islink(path):
+                continue
+            try:
+                if os.path.isdir(path):
+                    os.rmdir(path)  # empty only
+                elif os.path.getsize(path) == 0:
+                    os.remove(path)
+                else:
+                    continue
+            except OSError:  # a folder with files, or gone meanwhile
+                continue
+            removed.append(name)
+        if removed:
+            logger.info(
+                "removed %d empty best-model name(s) that killed writes claimed from %s: %s",
+                len(removed),
+                self.save_path,
+                ", ".join(removed),
+            )
 
     def load(self, is_master: bool, epoch: int | None, step: int | None) -> None:
         """Rank 0 loads the best weights (of ``epoch`` and ``step``, for the log); every rank
@@ -123,10 +158,15 @@ class BestModel:
         return {"path": self.path, "weights": self._weights, "checksums": self.checksums}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """On resume. A best-model file that is not as the checkpoint recorded it (the stopped
-        run wrote a later best after that checkpoint, or it was changed or removed since) is
-        left as it is: this run's next best goes to a new file."""
+        """On resume. The file is looked up by its name in this run's ``save_path``: a
+        ``save_path`` copied or moved with its checkpoints resumes with its own file, and
+        nothing is written into the one it came from. A best-model file that is not as the
+        checkpoint recorded it (the stopped run wrote a later best after that checkpoint, or it
+        was changed or removed since) is left as it is: this run's next best goes to a new
+        file."""
         self.path, self.checksums = state["path"], state.get("checksums")  # none in older ones
+        if self.path is not None and self.save_path is not None:
+            self.path = os.path.join(self.save_path, os.path.basename(self.path))
         if get_rank() != 0:
             return
         self._weights = state.get("weights")  # only rank 0 keeps them (absent in format 1)

@@ -274,6 +274,7 @@ class Loop:
     def _fit(self, resume: bool | str | os.PathLike) -> dict[str, Any]:
         start, state, options = time.time(), self.state, self.options
         self.training_modes.start()
+        self.run.validator.best.remove_dead_writes()  # rank 0, holding save_path's lock
         self._begin(self.run.checkpointer.restore(resume))
         self.stop_logged = False
         try:
@@ -342,10 +343,11 @@ class Loop:
             )
             if moved and world.rank == 0:
                 logger.warning(
-                    "resuming a %d-process run on %d processes: the rest of the epoch is "
+                    "resuming a %d-process run on %d processes%s: the rest of the epoch is "
                     "sharded anew (%d data shards, from %d); global batch now %d",
                     resumed.world_size,
                     world.size,
+                    " laid out anew" if resumed.world_size == world.size else "",
                     world.data.size,
                     resumed.data_shards,
                     global_batch,
