@@ -329,7 +329,8 @@ def test_two_stages_train_one_process_model(one: dict[str, Any], pp2: list[dict[
     their first update, alike on both ranks; a short last batch in an update of full ones is
     refused as the trainer is built; with no evaluation or checkpoint after the last update,
     train() leaves the whole model on both ranks; an exception in a stage's code is reported
-    as itself; what a callback changes on the model's modules holds in every stage."""
+    as itself; what a callback changes on the model's modules holds in every stage; bf16 FSDP
+    stages evaluate and predict."""
     ranks = pp2
     for rank in ranks:  # the whole model on every rank when train() returns, as under DDP
         torch.testing.assert_close(
@@ -368,6 +369,17 @@ def test_two_stages_train_one_process_model(one: dict[str, Any], pp2: list[dict[
     assert ranks[0]["short"] == ranks[1]["short"]  # at build time, not at the epoch's end
     assert "[4, 4, 4, 2] samples (data shards of 30 samples" in ranks[0]["short"]
     assert "stage 1 computes a gradient for inp.weight (inp), but stage 0" in ranks[0]["skip"]
+    # bf16 FSDP stages evaluate and predict under autocast: each rank's whole model, its own
+    # stage in bf16, the other's not (an audit: rank 0 alone raised a dtype mismatch).
+    bf16 = [rank["bf16_sharded"] for rank in ranks]
+    assert bf16[0]["eval"] == bf16[1]["eval"] and bf16[1]["predict"] is None
+    # ... and rank 0 warned that its callbacks_master's on_loss_begin never comes.
+    never = "LossPeek.on_loss_begin in callbacks_master is never called: rank 0 runs the"
+    warned = [[w for w in rank["warned"] if never in w] for rank in bf16]
+    assert len(warned[0]) == 1 and not warned[1]
+    assert bf16[0]["eval"]["loss"] == pytest.approx(bf16[0]["fp32"]["loss"], rel=0.05)
+    predicted = torch.tensor([sample["pred"] for sample in bf16[0]["predict"]])
+    torch.testing.assert_close(predicted, torch.tensor(bf16[0]["fp32_predict"]), rtol=0, atol=0.05)
     # An exception inside a stage is the user's, not torch's wrapper ("failed to run forward").
     assert ranks[0]["boom"] == "ValueError: user bug: a bad value in the first stage"
     assert ranks[1]["boom"] == "ValueError: rank 1 stops with rank 0"

@@ -9,6 +9,7 @@ prediction, the best model and ``save_model`` first gather every stage's paramet
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from typing import Any
@@ -32,6 +33,7 @@ from fastdist.strategies.pipeline_checks import (
     check_one_shape,
     check_setup_options,
     check_shardable,
+    check_split,
     check_stage_strategy,
     check_window,
     pipeline_degrees,
@@ -108,15 +110,7 @@ class Pipeline(Strategy):
         check_choice("schedule", schedule, ("gpipe", "1f1b", "interleaved-1f1b"))
         self.per_rank = LOOPED if schedule == "interleaved-1f1b" else 1
         self.cuts = stages * self.per_rank  # the model's stages
-        if split is not None:
-            if not isinstance(split, (list, tuple)) or not all(isinstance(s, str) for s in split):
-                raise TypeError(f"split must be a list of module names or None, got {split!r}")
-            if len(split) != self.cuts - 1:
-                raise ValueError(
-                    f"split names where each stage after the first starts: {self.cuts - 1} "
-                    f"name(s) for stages={stages} ({self.per_rank} per rank), got "
-                    f"{len(split)}: {list(split)}"
-                )
+        check_split(split, stages, self.per_rank)
         check_stage_strategy(stage_strategy)
         self.stages, self.schedule, self.stage_strategy = stages, schedule, stage_strategy
         self.split = None if split is None else list(split)
@@ -189,6 +183,7 @@ class Pipeline(Strategy):
         self.index = self.topology.coordinate("pp")
         self.local = [self.index + k * self.stages for k in range(self.per_rank)]
         self.sharded = self.equal_forwards = isinstance(self.stage_strategy, FSDP)
+        self.amp, self._evaluating = amp, contextlib.ExitStack()
         self._tp_plan: dict[str, Any] = {}  # this rank's stages' part of the tp_plan
         self._unchecked: nn.Module | None = model  # the first update checks against it
         if isinstance(self.stage_strategy, FSDP):
@@ -358,11 +353,15 @@ class Pipeline(Strategy):
         self.gather()
 
     def before_evaluation(self) -> None:
-        """The whole model on every rank (every stage's parameters), rank 0's buffers."""
+        """The whole model on every rank (every stage's parameters), rank 0's buffers; with
+        bf16 FSDP stages, under autocast (this rank's stage computes in bf16, the others not)."""
         self.gather()
         super().before_evaluation()
+        if self.sharded and self.amp is not None:
+            self._evaluating.enter_context(torch.autocast(self.device.type, torch.bfloat16))
 
     def after_evaluation(self) -> None:
+        self._evaluating.close()
         self._reshard()
 
     def full_state_dict(self) -> dict[str, Any] | None:

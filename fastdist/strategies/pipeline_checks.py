@@ -157,6 +157,20 @@ def check_amp(amp: str | None, checkpointing: int = 0) -> None:
     check_setup_options(False, checkpointing)
 
 
+def check_split(split: Any, stages: int, per_rank: int) -> None:
+    """Raise unless ``split`` (``Pipeline``'s) is ``None`` or names where each stage after the
+    first starts."""
+    if split is None:
+        return
+    if not isinstance(split, (list, tuple)) or not all(isinstance(s, str) for s in split):
+        raise TypeError(f"split must be a list of module names or None, got {split!r}")
+    if len(split) != stages * per_rank - 1:
+        raise ValueError(
+            f"split names where each stage after the first starts: {stages * per_rank - 1} "
+            f"name(s) for stages={stages} ({per_rank} per rank), got {len(split)}: {list(split)}"
+        )
+
+
 def check_stage_strategy(strategy: Any) -> None:
     """Raise unless ``strategy`` is one a stage can run under (``None``: DDP())."""
     plain = type(strategy) is DDP and not strategy.comm_hook and not strategy.average_every

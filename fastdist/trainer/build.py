@@ -6,6 +6,7 @@ checkpoints, and register every stateful part with the checkpointer.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import weakref
 from collections.abc import Callable, Mapping
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastdist.callbacks.callback import CallbackList
+from fastdist.callbacks.callback import CallbackList, answers
 from fastdist.callbacks.run_log import RunLogCallback
 from fastdist.checkpoint import PER_RANK, Checkpointer, RandomState
 from fastdist.checkpoint.background import Background
@@ -155,7 +156,7 @@ def build(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Run:
         precision=precision,
         data=data,
         validator=_validator(args, strategy, evaluate, world),
-        callbacks=_callbacks(args, world.rank == 0),
+        callbacks=_callbacks(args, world.rank == 0, world.topology.holds_loss),
         checkpointer=_checkpointer(args, world, state, write_group, strategy),
         rng=RandomState(world.rank),
         state=state,
@@ -286,10 +287,19 @@ def _validator(args: Arguments, strategy: Strategy, forward: Any, world: World) 
     )
 
 
-def _callbacks(args: Arguments, is_master: bool) -> CallbackList:
+def _callbacks(args: Arguments, is_master: bool, holds_loss: bool) -> CallbackList:
     """The callback lists, the loggers' component last; with a ``save_path``, a JSON log of the
-    run (``log.jsonl``) unless a given logger writes it."""
+    run (``log.jsonl``) unless a given logger writes it. Rank 0 warns of a callbacks_master's
+    loss hooks that never come (a pipeline computes the loss on its last stage only)."""
     master, loggers = list(args.callbacks_master), list(args.loggers)
+    for cb, hook in itertools.product(master, ("on_loss_begin", "on_backward_begin")):
+        if is_master and not holds_loss and answers(cb, hook):
+            logger.warning(
+                "%s.%s in callbacks_master is never called: rank 0 runs the pipeline's first "
+                "stage, the loss is computed on the last; put it in callbacks_all",
+                type(cb).__name__,
+                hook,
+            )
     save_path = args.options.save_path
     given = args.callbacks_all + master
     held = [b for cb in given if isinstance(cb, RunLogCallback) for b in cb.log.backends]

@@ -21,6 +21,7 @@ the model. Writes ``OUT_DIR/<mode>/rank<R>.json``.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -289,6 +290,43 @@ def train(strategy: Any, out: Path, batch: int = 4, update_every: int = 4, **kw:
     return result
 
 
+class LossPeek(Callback):
+    def on_loss_begin(self, batch: Any, output: Any) -> None:
+        pass
+
+
+def bf16_sharded(out: Path) -> dict[str, Any]:
+    """A float32 Tagger trained with bf16 FSDP stages: its evaluation and prediction, rank 0's
+    fp32 evaluation of the same weights by hand, and the warnings logged as it was built (a
+    callbacks_master's ``on_loss_begin``, which rank 0, the first stage, never calls)."""
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("fastdist").addHandler(handler)
+    model, train, data = Tagger().float(), Sequences(N_TRAIN), Sequences(N_DEV, seed=4)
+    train.x, data.x = train.x.float(), data.x.float()
+    trainer = DistTrainer(
+        train, model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.02), loss=token_loss,
+        batch_size_per_gpu=4, update_every=4, n_epochs=1, dev_data=data,
+        metrics=[LossMetric(nn.MSELoss(), pred="pred", target="target")], metric_key="-loss",
+        save_path=str(out), use_tqdm=False, device="cpu", amp="bf16", timeout=60,
+        strategy=Pipeline(stages=2, stage_strategy=FSDP()), callbacks_master=[LossPeek()],
+    )  # fmt: skip
+    logging.getLogger("fastdist").removeHandler(handler)
+    trainer.train()
+    result = {"eval": trainer.evaluate(), "predict": trainer.predict(data), "warned": warnings}
+    full = trainer.strategy.full_state_dict()
+    if full is not None:
+        plain = Tagger().float()
+        plain.load_state_dict(full)
+        batch = {"x": data.x, "target": torch.stack([data[i]["target"] for i in range(N_DEV)])}
+        with torch.no_grad():
+            pred = plain(batch["x"])["pred"].float()
+        result["fp32"] = {"loss": nn.MSELoss()(pred, batch["target"].float()).item()}
+        result["fp32_predict"] = pred.tolist()
+    return result
+
+
 def left_by_train(strategy: Any) -> list[float]:
     """The model as ``train()`` leaves it on this rank, with no evaluation or checkpoint after
     the last update (those gather a pipeline's stages themselves)."""
@@ -359,6 +397,7 @@ def main(argv: list[str]) -> int:
             result[f"fsdp_from_{run}"] = resumed
         # Per-stage memory, estimated and measured (the launch sets MALLOC_MMAP_THRESHOLD_).
         result["memory"] = estimate_worker.compare(Pipeline(stages=2), 2, 1, size=8)
+        result["bf16_sharded"] = bf16_sharded(out / "bf16_sharded")
         boom = {"model": Boom(), "callbacks": [ArmAtUpdate2()]}  # last: the group is left failed
         result["boom"] = failure(lambda: train(Pipeline(stages=2), out / "boom", **boom))
     elif mode == "resume":
