@@ -273,32 +273,44 @@ def test_a_copied_or_moved_save_path_resumes_with_its_own_best_model(
 def test_a_start_removes_what_killed_best_model_writes_left(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A best-model write killed before its rename leaves its temp (full size) and the name
-    it claimed (a file of 0 bytes, or an empty folder for ``"hf"``): the next start in that
-    ``save_path`` removes them, and nothing else (an audit: each kill left another pair, the
-    empty file looking like a best model)."""
-    stamp = "2026-01-01-00-00-00"
-    dead = [
-        f"best_ToyNet_acc_{stamp}.pt",  # claimed, empty
-        f"best_ToyNet_acc_{stamp}-2",  # an "hf" folder claimed, empty
-        f".tmp-{'a' * 32}-best_ToyNet_acc_{stamp}.pt",  # the write's temp
-        f".tmp-{'b' * 32}-best_ToyNet_acc_{stamp}-2",  # an "hf" write's temp folder
+    """A best-model write killed before its rename leaves its temp (full size) and, if it was
+    the run's first, the name it claimed (a file of 0 bytes, or an empty folder for "hf"):
+    the next start in that ``save_path`` removes each temp named for a best model of its model
+    and metric, and such a name if still empty, and nothing else (audits: each kill left
+    another pair, the empty file looking like a best model; then a start removed a user's
+    empty files and a temp-like file named like no file of the run's)."""
+    stamp = "2026-01-01-00-00-0"
+    dead = [f"best_ToyNet_acc_{stamp}1.pt", f"best_ToyNet_acc_{stamp}2"]  # claimed, empty
+    temps = [f".tmp-{'a' * 32}-{dead[0]}", f".tmp-{'b' * 32}-{dead[1]}"]  # a file, a folder
+    later = f"best_ToyNet_acc_{stamp}3.pt"  # a best written whole, then a later write killed
+    temps.append(f".tmp-{'c' * 32}-{later}")
+    kept = [
+        later,
+        f"best_ToyNet_acc_{stamp}4.pt",  # empty, but no write of it was killed
+        f"best_Other_acc_{stamp}5.pt",  # another model's
+        f".tmp-{'d' * 32}-best_Mine.pt",  # named for no file of the run's
+        f".tmp-{'e' * 32}-best_ToyNet_acc_{stamp}6.pt",  # nor here (no such file)
+        "best_notes.txt",
     ]
-    kept = [f"best_ToyNet_acc_{stamp}-3.pt", "best_notes.txt", f".tmp-{'c' * 32}-notes.pt"]
     tmp_path.joinpath(dead[0]).touch()
     tmp_path.joinpath(dead[1]).mkdir()
-    tmp_path.joinpath(dead[2]).write_bytes(b"x" * 1000)
-    tmp_path.joinpath(dead[3]).mkdir()
-    tmp_path.joinpath(dead[3], "model.safetensors").write_bytes(b"x" * 10)
-    tmp_path.joinpath(kept[0]).write_bytes(b"a best model")
-    tmp_path.joinpath(kept[1]).touch()  # not a best model's name
-    tmp_path.joinpath(kept[2]).write_bytes(b"someone else's")
+    tmp_path.joinpath(temps[0]).write_bytes(b"x" * 1000)
+    tmp_path.joinpath(temps[1]).mkdir()
+    tmp_path.joinpath(temps[1], "model.safetensors").write_bytes(b"x" * 10)
+    tmp_path.joinpath(temps[2]).write_bytes(b"y" * 100)
+    tmp_path.joinpath(later).write_bytes(b"a best model")
+    for name in kept[1:]:  # the user's: empty, but the temp-like ones
+        tmp_path.joinpath(name).write_bytes(b"z" if name.startswith(".tmp-") else b"")
     with caplog.at_level(logging.INFO, logger="fastdist"):
-        make_trainer(16, save_path=str(tmp_path)).train()
+        make_trainer(
+            16, save_path=str(tmp_path), dev_data=ToyData(8), metrics=AccuracyMetric()
+        ).train()
     names = {p.name for p in tmp_path.iterdir()}
-    assert not names & set(dead) and set(kept) <= names
-    assert "removed 2 temp(s) of best-model writes that were killed" in caplog.text
-    assert "removed 2 empty best-model name(s) that killed writes claimed" in caplog.text
+    assert not names & {*dead, *temps} and set(kept) <= names
+    assert tmp_path.joinpath(later).read_bytes() == b"a best model"
+    assert "removed 3 temp(s) of best-model writes that were killed" in caplog.text
+    removed = f"removed 2 empty best-model name(s) that killed writes claimed from {tmp_path}"
+    assert f"{removed}: {dead[0]}, {dead[1]}" in caplog.text
 
 
 @pytest.mark.usefixtures("no_dist_env")

@@ -21,11 +21,11 @@ import stat
 
 from fastdist.logging import logger
 
-#: The temps' names: ``.tmp-<hex>-step-00000120.pt`` and ``.tmp-<hex>-manifest.json`` (of
-#: ``atomic_file``; ``-step-00000240``: a checkpoint imported from a mirror),
-#: ``.tmp-step-00000240`` (a sharded checkpoint's folder) and ``.tmp-<hex>-best_...`` (a best
-#: model's file, or its Hugging Face folder).
-TEMP_NAME = re.compile(r"\.tmp-([0-9a-f]{32}-(step-\d+(\.pt)?|manifest\.json|best_.+)|step-\d{8})$")
+#: The checkpoint temps' names: ``.tmp-<hex>-step-00000120.pt`` and ``.tmp-<hex>-manifest.json``
+#: (of ``atomic_file``; ``-step-00000240``: a checkpoint imported from a mirror) and
+#: ``.tmp-step-00000240`` (a sharded checkpoint's folder). A best model's are
+#: ``.tmp-<hex>-best_...`` (a file, or its Hugging Face folder).
+TEMP_NAME = re.compile(r"\.tmp-([0-9a-f]{32}-(step-\d+(\.pt)?|manifest\.json)|step-\d{8})$")
 
 
 def lock_temp(path: str) -> int:
@@ -36,16 +36,19 @@ def lock_temp(path: str) -> int:
     return fd
 
 
-def remove_stale(directory: str) -> tuple[list[str], int, list[str]]:
-    """Remove the temps in ``directory`` (named as :data:`TEMP_NAME`, and of the kind the name
-    says: a sharded write's folder, else a regular file) that no live writer holds locked:
+def remove_stale(
+    directory: str, pattern: re.Pattern[str] = TEMP_NAME
+) -> tuple[list[str], int, list[str]]:
+    """Remove the temps in ``directory`` (named as ``pattern`` says, and of the kind the name
+    says: a sharded write's folder, a best model's file or folder, else a regular file) that
+    no live writer holds locked:
     return their names, the bytes freed, and those it could not remove (with why). Nothing
     else is touched."""
     removed, freed, kept = [], 0, []
     with contextlib.suppress(FileNotFoundError):
         for name in sorted(os.listdir(directory)):
             path = os.path.join(directory, name)
-            if not TEMP_NAME.match(name) or not _of_its_kind(path, name):
+            if not pattern.match(name) or not _of_its_kind(path, name):
                 continue
             try:
                 fd = os.open(path, os.O_RDONLY)
@@ -77,10 +80,12 @@ def remove_stale(directory: str) -> tuple[list[str], int, list[str]]:
     return removed, freed, kept
 
 
-def clean(directory: str, writes: str = "checkpoint") -> None:
+def clean(
+    directory: str, writes: str = "checkpoint", pattern: re.Pattern[str] = TEMP_NAME
+) -> list[str]:
     """:func:`remove_stale` in ``directory``, logging what it removed and what it could not
-    (temps of ``writes``)."""
-    removed, freed, kept = remove_stale(directory)
+    (temps of ``writes``); return the names removed."""
+    removed, freed, kept = remove_stale(directory, pattern)
     if removed:
         logger.info(
             "removed %d temp(s) of %s writes that were killed (%s) from %s: %s",
@@ -99,6 +104,7 @@ def clean(directory: str, writes: str = "checkpoint") -> None:
             directory,
             ", ".join(kept),
         )
+    return removed
 
 
 def readable(size: int) -> str:

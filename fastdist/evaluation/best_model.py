@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -13,9 +14,6 @@ from fastdist.checkpoint.temps import clean
 from fastdist.distributed import agreed, broadcast_object, get_rank
 from fastdist.logging import logger
 from fastdist.strategies import Strategy, model_class
-
-#: A best model's name (``best_<class>_<metric>_<time>``, ``-2``... if taken, and a suffix).
-NAME = re.compile(r"best_.+_\d{4}(-\d\d){5}(-\d+)?(\.[a-z]+)?$")
 
 
 class BestModel:
@@ -92,32 +90,33 @@ class BestModel:
 
     def remove_dead_writes(self) -> None:
         """As a run starts, on rank 0, which holds ``save_path``'s lock: remove what writes of
-        best models killed before their rename left there: their temps, and the names they
-        claimed, still empty (a file of 0 bytes, an empty folder). Nothing else is touched."""
+        this model's best killed before their rename left there: each temp (unlocked) named
+        for a best-model file or folder of this model and metric, and that name if it is
+        still empty (claimed by the killed write: a file of 0 bytes, an empty folder). Nothing
+        else is touched."""
         if self.save_path is None or get_rank() != 0 or not os.path.isdir(self.save_path):
             return
-        clean(self.save_path, "best-model")
-        removed = []
-        for name in sorted(os.listdir(self.save_path)):
-            path = os.path.join(self.save_path, name)
-            if not NAME.match(name) or os.path.islink(path):
-                continue
-            try:
-                if os.path.isdir(path):
+        stem = f"best_{model_class(self.strategy.model).__name__}_{self.metric_key}_"
+        ours = re.compile(re.escape(stem) + r"\d{4}(-\d\d){5}(-\d+)?(\.[a-z]+)?$")
+        names = [name for name in os.listdir(self.save_path) if ours.match(name)]
+        if not names:
+            return
+        temps = re.compile(r"\.tmp-[0-9a-f]{32}-(" + "|".join(map(re.escape, names)) + ")$")
+        claimed = []
+        for name in sorted({temp[38:] for temp in clean(self.save_path, "best-model", temps)}):
+            path = os.path.join(self.save_path, name)  # the name after ".tmp-<32 hex>-"
+            with contextlib.suppress(OSError):  # a folder with files: a write that finished
+                if os.path.isdir(path) and not os.path.islink(path):
                     os.rmdir(path)  # empty only
-                elif os.path.getsize(path) == 0:
+                elif os.path.isfile(path) and os.path.getsize(path) == 0:
                     os.remove(path)
-                else:
-                    continue
-            except OSError:  # a folder with files, or gone meanwhile
-                continue
-            removed.append(name)
-        if removed:
+                claimed += [] if os.path.lexists(path) else [name]
+        if claimed:
             logger.info(
                 "removed %d empty best-model name(s) that killed writes claimed from %s: %s",
-                len(removed),
+                len(claimed),
                 self.save_path,
-                ", ".join(removed),
+                ", ".join(claimed),
             )
 
     def load(self, is_master: bool, epoch: int | None, step: int | None) -> None:
