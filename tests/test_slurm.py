@@ -235,7 +235,10 @@ def test_a_signalled_sbatch_job_checkpoints_requeues_itself_and_resumes_exactly(
 
     wait_until(requeued, 60, slurm, job, "the requeue")
     assert slurm.job_field(job, "Reason") == "BeginTime"  # SLURM holds a requeued job ~2 min
-    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # which this lifts
+    # ... which this lifts, 2 s on: slurmd refuses a credential made within the second its
+    # job's old one was revoked in ("Job credential revoked": the job then fails at once).
+    time.sleep(2)
+    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     wait_until(lambda: state() == "COMPLETED", 120, slurm, job, "the requeued job to complete")
     output = (tmp_path / "job.out").read_text()
     assert "requeued SLURM job" in output
