@@ -68,6 +68,12 @@ CASES = {
 OFFSET = 5  # the hand block follows updates OFFSET, OFFSET + block, ...
 
 
+def case_plan(name: str, scale: float) -> tuple[str, int, int]:
+    """Case ``name``'s ``overhead.py`` case, updates per block and pairs at ``scale``."""
+    base, block, pairs = CASES[name]
+    return base, block, max(3, round(pairs * scale))
+
+
 def hand_updates(case: Case, log_every: int = 0) -> Iterator[None]:
     """The hand-written loop of ``overhead.run_hand``, one optimizer update per ``next()``,
     epoch after epoch. ``log_every``: it also logs the mean loss over the ranks and the updates
@@ -139,8 +145,7 @@ class Interleave(Callback):
 def measure(name: str, scale: float, logging: bool, hand_logs: bool = False) -> dict[str, Any]:
     """One interleaved run of case ``name``: each block's (wall, CPU) seconds, pair by pair
     (``logging``: fastdist's log step every 10 updates; ``hand_logs``: the hand loop's too)."""
-    base, block, pairs = CASES[name]
-    pairs = max(3, round(pairs * scale))
+    base, block, pairs = case_plan(name, scale)
     updates = block * (pairs + 3) + OFFSET + 10  # the stop is agreed at the next log step
     updates *= 2 if base == "tokens" else 1  # a token-budget batch holds about 2 x 32 texts
     case = make_case(base, dist.get_rank(), dist.get_world_size(), updates)
@@ -166,8 +171,7 @@ def measure(name: str, scale: float, logging: bool, hand_logs: bool = False) -> 
 def control(name: str, scale: float) -> dict[str, Any]:
     """Case ``name``'s hand loop against a second copy of itself, blocks alternated as in
     :func:`measure` without a trainer: the noise floor of a pair's ratio."""
-    base, block, pairs = CASES[name]
-    pairs = max(3, round(pairs * scale))
+    base, block, pairs = case_plan(name, scale)
     rank, world = dist.get_rank(), dist.get_world_size()
     loops = {side: hand_updates(make_case(base, rank, world)) for side in ("fastdist", "hand")}
     times: dict[str, list[tuple[float, float]]] = {"fastdist": [], "hand": []}

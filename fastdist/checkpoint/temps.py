@@ -26,6 +26,8 @@ from fastdist.logging import logger
 #: ``.tmp-step-00000240`` (a sharded checkpoint's folder). A best model's are
 #: ``.tmp-<hex>-best_...`` (a file, or its Hugging Face folder).
 TEMP_NAME = re.compile(r"\.tmp-([0-9a-f]{32}-(step-\d+(\.pt)?|manifest\.json)|step-\d{8})$")
+#: The length of ``.tmp-<32 hex>-``, before the name of what a temp replaces.
+PREFIX = len(".tmp-") + 32 + 1
 
 
 def lock_temp(path: str) -> int:
@@ -124,7 +126,7 @@ def _of_its_kind(path: str, name: str) -> bool:
         return False
     if name.startswith(".tmp-step-"):
         return stat.S_ISDIR(mode)
-    best = name[38:].startswith("best_")  # after ".tmp-<32 hex>-"
+    best = name[PREFIX:].startswith("best_")
     return stat.S_ISREG(mode) or (best and stat.S_ISDIR(mode))
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastdist.checkpoint.export import SUFFIXES, read_model, write_model
 from fastdist.checkpoint.files import claim_new, crc32, remove, write_failure
-from fastdist.checkpoint.temps import clean
+from fastdist.checkpoint.temps import PREFIX, clean
 from fastdist.distributed import agreed, broadcast_object, get_rank
 from fastdist.logging import logger
 from fastdist.strategies import Strategy, model_class
@@ -103,8 +103,8 @@ class BestModel:
             return
         temps = re.compile(r"\.tmp-[0-9a-f]{32}-(" + "|".join(map(re.escape, names)) + ")$")
         claimed = []
-        for name in sorted({temp[38:] for temp in clean(self.save_path, "best-model", temps)}):
-            path = os.path.join(self.save_path, name)  # the name after ".tmp-<32 hex>-"
+        for name in sorted({temp[PREFIX:] for temp in clean(self.save_path, "best-model", temps)}):
+            path = os.path.join(self.save_path, name)
             with contextlib.suppress(OSError):  # a folder with files: a write that finished
                 if os.path.isdir(path) and not os.path.islink(path):
                     os.rmdir(path)  # empty only

@@ -292,8 +292,9 @@ def _callbacks(args: Arguments, is_master: bool, holds_loss: bool) -> CallbackLi
     run (``log.jsonl``) unless a given logger writes it. Rank 0 warns of a callbacks_master's
     loss hooks that never come (a pipeline computes the loss on its last stage only)."""
     master, loggers = list(args.callbacks_master), list(args.loggers)
-    for cb, hook in itertools.product(master, ("on_loss_begin", "on_backward_begin")):
-        if is_master and not holds_loss and answers(cb, hook):
+    unreached = master if is_master and not holds_loss else []
+    for cb, hook in itertools.product(unreached, ("on_loss_begin", "on_backward_begin")):
+        if answers(cb, hook):
             logger.warning(
                 "%s.%s in callbacks_master is never called: rank 0 runs the pipeline's first "
                 "stage, the loss is computed on the last; put it in callbacks_all",
