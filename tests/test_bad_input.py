@@ -131,6 +131,12 @@ def _learning_rate_per_rank() -> dict[str, Any]:
     }
 
 
+def _frozen_on_rank_one() -> dict[str, Any]:
+    model = ToyNet()
+    model.hidden.requires_grad_(get_rank() == 0)
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
 def _same_callback_twice() -> dict[str, Any]:
     cb = EarlyStopCallback(patience=2)
     return {"callbacks_all": [cb], "callbacks_master": [cb]}
@@ -590,6 +596,12 @@ ROWS: dict[str, Row] = {
         lambda: {"loss": nn.CrossEntropyLoss(label_smoothing=0.1 * get_rank())},
         "ValueError: different arguments | loss.label_smoothing: 0.0 on ranks [0], 0.1 on "
         "ranks [1]",
+        when="group",
+    ),
+    "a_layer_frozen_on_one_rank": row(
+        _frozen_on_rank_one,
+        "ValueError: different arguments | frozen parameters (requires_grad=False): none on "
+        "ranks [0], 2 ['hidden.weight', 'hidden.bias'] #",
         when="group",
     ),
     "a_sampler_on_one_rank": row(
