@@ -42,6 +42,7 @@ WORKER = TESTS_DIR / "workers" / "ft_worker.py"
 KILL_STEP = random.Random(33).randint(6, 10)  # seeded: the same update on every run
 SAMPLES = 64  # ft_worker's dataset
 BATCH = 2  # per group and update
+PRINT_EVERY = 2  # the killed group heals at update 38 (48 - 10, see ft_worker): a log step
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,10 @@ def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
     updates): 2 groups of one process under DDP, and 2 groups of 2 processes under
     FSDP(fault_tolerant=True); in each, group 1 (every rank of it) killed after KILL_STEP."""
     single, double = tmp_path_factory.mktemp("ft-killed"), tmp_path_factory.mktemp("ft-2x2")
-    launches = [_kill_launch(single), _kill_launch(double, "--fsdp", "--epochs", "5", procs=2)]
+    launches = [
+        _kill_launch(single, "--print-every", str(PRINT_EVERY)),
+        _kill_launch(double, "--fsdp", "--epochs", "5", procs=2),
+    ]
     results = run_together(launches, timeout=200)
     return [_records(out, result) for out, result in zip((single, double), results, strict=True)]
 
@@ -118,6 +122,12 @@ def test_survivor_never_stops_and_the_killed_group_heals(killed: dict[str, Any])
     assert healed_steps == list(range(healed_steps[0], alive["steps"] + 1))
     assert f"resumed from a peer replica group at step {healed_steps[0] - 1}" in output
     assert healed["params"] == alive["params"]  # bit for bit: the same averaged gradients
+    # It healed at a log step, which every group read at once (its loss averaged over the
+    # groups of that update: a group healing at the next update's quorum joins no read).
+    assert (healed_steps[0] - 1) % PRINT_EVERY == 0, healed_steps
+    for group in (alive, healed):
+        logged = [u for u in group["updates"] if u["step"] % PRINT_EVERY == 0]
+        assert logged and all(u["loss_step"] == u["step"] for u in logged), output
 
 
 @pytest.mark.slow

@@ -287,7 +287,8 @@ class ReplicaGroups:
                     "quorum: the others have failed or finished (restart them, or lower "
                     "min_replicas)"
                     if self.min_replicas > 1
-                    else "not every rank of this group asked for the quorum (one is stuck)"
+                    else "a rank of this group, or of a live group of the last quorum, did "
+                    "not ask for this one (it is stuck)"
                 )
             except RuntimeError:
                 cause = f"is the Lighthouse at {LIGHTHOUSE_VAR}={url} still running?"

@@ -41,6 +41,10 @@ class Loop:
         self.progress = Progress(show=False, use_tqdm=False, total=0, initial=0, global_batch=0)
         self.training_modes = TrainingModes(run.model)
         run.callbacks.set_trainer(trainer)
+        # A log step is read at once with print_every=1 (the next one's loss could replace it
+        # unseen) and under torchft's replica groups (its read averages over the groups, and
+        # one that heals at the next update's quorum would not join that average).
+        self.read_logs_at_once = run.options.print_every == 1 or run.strategy.replica_group[1] > 1
 
     def train_epochs(self) -> Agreement:
         """Train from the state's position to the end of the last epoch; return the last
@@ -63,11 +67,9 @@ class Loop:
                     due = run.checkpointer.due(state.global_step)
                     ends_epoch = self.data.ends_pass(state.batch_idx + 1, wait=due)  # saved below
                     save = due and not ends_epoch
-                    every = self.options.print_every
-                    if state.global_step % every == 0:
-                        # Read at once where a sync point follows anyway (or, print_every=1,
-                        # where the next log step's loss could replace it unseen).
-                        wait = validate or save or ends_epoch or every == 1
+                    if state.global_step % self.options.print_every == 0:
+                        # Read at once where a sync point follows anyway (see __init__ too).
+                        wait = validate or save or ends_epoch or self.read_logs_at_once
                         agreed = self.log_step(wait) or agreed
                     elif run.sync.check_due(state.global_step):  # log steps far apart
                         agreed = self.sync(signals_only=True)
@@ -165,11 +167,11 @@ class Loop:
 
     def log_step(self, wait: bool) -> Agreement | None:
         """Start the log step's all-reduce (mean loss, timings, stop and NaN flags); read it
-        now (``wait``: an evaluation, a checkpoint or the epoch's end follows, or
-        ``print_every=1``), or leave it to :meth:`settle`: after the next update (no wait), at
-        the epoch's end or before any other sync point. ``state.loss`` and the log line then
-        come one update late, with their step (``state.loss_step``); a stop or a NaN is acted
-        on at that next update, on every rank alike."""
+        now (``wait``: an evaluation, a checkpoint or the epoch's end follows, or see
+        :attr:`read_logs_at_once`), or leave it to :meth:`settle`: after the next update (no
+        wait), at the epoch's end or before any other sync point. ``state.loss`` and the log
+        line then come one update late, with their step (``state.loss_step``); a stop or a NaN
+        is acted on at that next update, on every rank alike."""
         state = self.state
         if self.world.rank == 0:
             self.progress.mark(state.global_step, self.run.optimizer.param_groups[0]["lr"])

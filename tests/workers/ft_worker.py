@@ -1,6 +1,6 @@
 """One torchft replica group of a fault-tolerant run: ``ft_worker.py OUT_DIR [KILL_GROUP
 KILL_STEP [--in-backward | --kill-healing]] [--epochs N] [--save-path DIR] [--check-sync N]
-[--odd-model GROUP HOW] [--nudge STEP]``, launched by ``python -m fastdist
+[--odd-model GROUP HOW] [--nudge STEP] [--print-every N]``, launched by ``python -m fastdist
 ft`` (or with the replica variables set); ``--plain``: one process of plain DDP with
 update_every 2 instead; ``--fsdp``: ``FSDP(fault_tolerant=True)`` on a model of two layers
 (launched with ``--procs-per-group 2``: every rank of group KILL_GROUP dies; rank R > 0 writes
@@ -11,7 +11,8 @@ Group KILL_GROUP SIGKILLs itself after update KILL_STEP (or its first later one,
 late) on its first attempt (torchrun starts it again). The others, once training alone after
 that update, wait before their last 10 updates (90 s at most, recorded as ``waited``) for the
 killed group's restart (``OUT_DIR/restarted.<attempt>.*``; with ``--kill-healing`` for its
-first restart 10 updates earlier) and take 0.5 s per update from there while alone (else
+first restart 10 updates earlier), 2 s more once it is there (it asks for its first quorum
+meanwhile, and heals at that update), and take 0.5 s per update from there while alone (else
 0.05 s), so that they are still training when it comes back. Every
 attempt appends its updates (step, epoch, participating groups, time) to
 ``OUT_DIR/group<G>.attempt<A>.jsonl`` as they commit, and writes ``...json`` at the end: per
@@ -58,6 +59,7 @@ class Record(Callback):
         update = {"step": state.global_step, "epoch": state.epoch, "t": time.time()}
         update["waited"] = self.waited  # before this update, in the callback, not in training
         update["groups"] = strategy.torchft.manager.num_participants() if strategy.torchft else 1
+        update["loss_step"] = state.loss_step  # the last log step whose loss was read
         with open(self.log, "a") as log:  # what a killed attempt did stays
             log.write(json.dumps(update) + "\n")
         if state.global_step == self.nudge:
@@ -75,6 +77,7 @@ class Record(Callback):
         for restart in range(1, final + 1) if alone else ():
             if left <= 10 * (final - restart + 1):
                 _wait_for(self.log.parent, f"restarted.{restart}.*")
+                time.sleep(2)  # it asks for a quorum first: it heals at this update
         self.waited = time.monotonic() - start
         time.sleep(0.5 if alone else 0.05)
 
@@ -117,6 +120,7 @@ def main() -> None:
     parser.add_argument("--check-sync", type=int, default=0, help="check_sync_every")
     parser.add_argument("--nudge", type=int, default=0, help="group 1 changes its model then")
     parser.add_argument("--fsdp", action="store_true", help="FSDP(fault_tolerant=True)")
+    parser.add_argument("--print-every", type=int, default=1000)
     parser.add_argument(
         "--odd-model",
         nargs=2,
@@ -153,7 +157,7 @@ def main() -> None:
         save_path=args.save_path,
         timeout=30,
         check_sync_every=args.check_sync,
-        print_every=1000,
+        print_every=args.print_every,
     )
     if attempt == 0:
         _all_ready(out)
