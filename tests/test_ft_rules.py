@@ -15,6 +15,7 @@ scenarios are in the long tier (``python -m pytest -m long tests/test_ft_rules.p
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import sys
 import time
@@ -31,7 +32,7 @@ from torch.utils.data import IterableDataset
 from fastdist import DistTrainer
 from fastdist.cli import main as cli_main
 from fastdist.cli.ft import wait_listening
-from fastdist.strategies import DDP, FSDP
+from fastdist.strategies import DDP, FSDP, Pipeline
 from fastdist.strategies.replica_groups import GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR
 
 pytest.importorskip("torchft")
@@ -132,8 +133,9 @@ def test_bad_replica_options_are_refused(
 ) -> None:
     """Before anything starts, naming the option and the fix: ``min_replicas`` above the
     groups (no update could commit) or without ``fault_tolerant``; a streaming ``train_data``
-    under several groups; ``python -m fastdist ft`` with a heartbeat timeout of 0 or negative
-    restarts."""
+    under several groups; a strategy that is not fault tolerant launched as a group, and
+    ``Pipeline`` with fault-tolerant stages; ``python -m fastdist ft`` with a heartbeat
+    timeout of 0 or negative restarts."""
     for name, value in {GROUP_VAR: "0", GROUPS_VAR: "2", LIGHTHOUSE_VAR: "http://x:1"}.items():
         monkeypatch.setenv(name, value)
     words = "min_replicas=3\\) needs at least 3 replica groups, but FASTDIST_REPLICA_GROUPS=2"
@@ -157,6 +159,22 @@ def test_bad_replica_options_are_refused(
             strategy=DDP(fault_tolerant=True),
             device="cpu",
         )
+    # Launched as one of 2 groups, a strategy that joins none would train the job alone
+    # (audit 68: Pipeline with fault-tolerant stages ran as two independent jobs).
+    for strategy in (DDP(), FSDP(), Pipeline(stages=2)):
+        words = re.escape(f"strategy={strategy!r} does not join them")
+        with pytest.raises(ValueError, match=words):
+            DistTrainer(
+                train_data=[(torch.zeros(2), torch.zeros(1))] * 8,
+                model=model,
+                loss=torch.nn.MSELoss(),
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                strategy=strategy,
+                device="cpu",
+            )
+    for stage in (DDP(fault_tolerant=True), FSDP(fault_tolerant=True)):
+        with pytest.raises(ValueError, match="fault_tolerant .torchft's replica groups. are not"):
+            Pipeline(stages=2, stage_strategy=stage)
     for option, value in (("--heartbeat-timeout-ms", "0"), ("--max-restarts", "-1")):
         with pytest.raises(SystemExit, match=f"{option} {value}: need"):
             cli_main(["ft", option, value, "train.py"])

@@ -175,15 +175,17 @@ def check_stage_strategy(strategy: Any) -> None:
     """Raise unless ``strategy`` is one a stage can run under (``None``: DDP())."""
     plain = type(strategy) is DDP and not strategy.comm_hook and not strategy.average_every
     sharded = type(strategy) is FSDP and strategy.replicate == 1 and not callable(strategy.tp_plan)
-    if strategy is None or plain or (sharded and not strategy.cpu_offload and not strategy.wrap):
+    sharded = sharded and not strategy.cpu_offload and not strategy.wrap
+    if strategy is None or ((plain or sharded) and not strategy.fault_tolerant):
         return
     raise ValueError(
         f"stage_strategy must be DDP() (optionally with bucket_cap_mb, find_unused_parameters, "
         f"static_graph, gradient_as_bucket_view), FSDP() (optionally with "
         f"reshard_after_forward, tp and a dict tp_plan) or None, got {describe(strategy)}: "
         "DDP's communication hooks, local SGD, HSDP (replicate), CPU offload, FSDP's wrap (a "
-        "stage shards its blocks and the modules around them) and a tp_plan function (it would "
-        "split every stage's modules) are not supported under Pipeline yet; e.g. "
+        "stage shards its blocks and the modules around them), a tp_plan function (it would "
+        "split every stage's modules) and fault_tolerant (torchft's replica groups) are not "
+        "supported under Pipeline yet; e.g. "
         "Pipeline(stages=2, stage_strategy=FSDP()) or Pipeline(stages=2, "
         "stage_strategy=FSDP(tp=2, tp_plan={'blocks.*.fc': 'colwise', ...}))"
     )

@@ -30,6 +30,7 @@ from fastdist.data.workers import CONTEXTS
 from fastdist.distributed import get_world_size
 from fastdist.strategies import Strategy, resolve_strategy
 from fastdist.strategies.blocks import checkpoint_period
+from fastdist.strategies.replica_groups import GROUPS_VAR
 
 #: The longest ``timeout`` (seconds): torch fails late on infinity or 1e30.
 MAX_TIMEOUT_S = 1e8
@@ -81,6 +82,7 @@ class TrainerOptions:
             what = "'ddp', 'fsdp' or a strategy object"
             check_instance("strategy", given["strategy"], Strategy, what, "DDP(...)")
         given["strategy"] = resolve_strategy(given["strategy"])
+        _refuse_unjoined_groups(given["strategy"])
         index, count = given["strategy"].replica_group
         for name in ("save_path", "checkpoint_dir"):
             given[name] = check_path(name, given[name])
@@ -185,3 +187,18 @@ class TrainerOptions:
         plain = (bool, int, float, str, type(None))
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return {k: v if isinstance(v, plain) else repr(v) for k, v in values.items()}
+
+
+def _refuse_unjoined_groups(strategy: Any) -> None:
+    """Raise where the launch starts several replica groups (``python -m fastdist ft``) but
+    ``strategy`` does not join them: each group would train the whole job alone, into the
+    same ``save_path`` (alike on every process)."""
+    groups = os.environ.get(GROUPS_VAR, "")
+    if strategy.replica_group[1] == 1 and groups.isdigit() and int(groups) > 1:
+        raise ValueError(
+            f"this process was launched as one of {groups} torchft replica groups "
+            f"({GROUPS_VAR}={groups}, as python -m fastdist ft sets it), but "
+            f"strategy={describe(strategy)} does not join them: each group would train the "
+            "whole job alone. Pass strategy=DDP(fault_tolerant=True) or "
+            "FSDP(fault_tolerant=True), or launch with torchrun"
+        )
