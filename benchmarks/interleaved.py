@@ -14,8 +14,10 @@ ranks stay in step) stops it every ``block`` updates, at an update 5 past a mult
 of the hand loop; the time since the last such stop is fastdist's block. Each pair is two
 blocks back to back, a fraction of a second apart. Reported per case, over the pairs (the
 first is dropped: warm-up): the median of fastdist's wall time / the hand loop's, with its
-quartiles; the ratio of the summed times (epoch ends, rare events included); and fastdist's
-extra main-thread CPU per update (median).
+quartiles; the ratio of the summed times (epoch ends, rare events included); fastdist's
+extra main-thread CPU per update (median); and the garbage collections that started in each
+side's blocks (every generation, per 1,000 updates), since a collection scans the heap both
+loops share.
 
 The trainer runs with its defaults (``print_every=10``: a log step every 10 updates). With
 ``--logging-off`` the ``tiny`` and ``accumulation`` cases run twice more: with no log step (so
@@ -29,6 +31,7 @@ divided by ``accumulation``'s is fastdist's stream against fastdist's map-style 
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -123,6 +126,13 @@ class Interleave(Callback):
         self.hand, self.block, self.pairs = hand, block, pairs
         self.mark: tuple[float, float] | None = None
         self.times: dict[str, list[tuple[float, float]]] = {"fastdist": [], "hand": []}
+        self.side: str | None = None  # whose block runs: counted from the first hand block on
+        self.collections = {"fastdist": 0, "hand": 0}
+
+    def count_collection(self, phase: str, info: dict[str, Any]) -> None:
+        """A ``gc.callbacks`` entry: count each collection that starts in a timed block."""
+        if phase == "start" and self.side is not None:
+            self.collections[self.side] += 1
 
     def on_step_end(self) -> None:
         if self.trainer.state.global_step % self.block != OFFSET or self.done:
@@ -130,10 +140,12 @@ class Interleave(Callback):
         wall, cpu = time.perf_counter(), time.thread_time()
         if self.mark is not None:
             self.times["fastdist"].append((wall - self.mark[0], cpu - self.mark[1]))
+        self.side = "hand"
         for _ in range(self.block):
             next(self.hand)
         self.mark = time.perf_counter(), time.thread_time()
         self.times["hand"].append((self.mark[0] - wall, self.mark[1] - cpu))
+        self.side = None if self.done else "fastdist"
         if self.done:
             self.trainer.request_stop()
 
@@ -151,7 +163,8 @@ def measure(name: str, scale: float, logging: bool, hand_logs: bool = False) -> 
     case = make_case(base, dist.get_rank(), dist.get_world_size(), updates)
     interleave = Interleave(hand_updates(case, 10 if hand_logs else 0), block, pairs)
     model = case.model()
-    DistTrainer(
+    gc.callbacks.append(interleave.count_collection)
+    trainer = DistTrainer(
         model=model,
         optimizer=build_optimizer(model),
         callbacks_all=[interleave],
@@ -162,10 +175,19 @@ def measure(name: str, scale: float, logging: bool, hand_logs: bool = False) -> 
         seed=SAMPLER_SEED,
         load_best_model=False,
         **case.fastdist_args,
-    ).train()
+    )
+    try:
+        trainer.train()
+    finally:
+        gc.callbacks.remove(interleave.count_collection)
     # fastdist's block j runs between hand blocks j and j + 1: pair it with the later one.
     fast, hand = interleave.times["fastdist"][1:], interleave.times["hand"][2:]
-    return {"block": block, "fastdist": fast, "hand": hand}
+    # Collections per 1,000 updates of each side (its blocks from the first hand block on).
+    gcs = {
+        side: 1000 * n / (block * len(interleave.times[side])) if interleave.times[side] else 0.0
+        for side, n in interleave.collections.items()
+    }
+    return {"block": block, "fastdist": fast, "hand": hand, "gc": gcs}
 
 
 def control(name: str, scale: float) -> dict[str, Any]:
@@ -206,12 +228,21 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, median, q3
 
 
+def collections(result: dict[str, Any]) -> str:
+    """The GC column: collections per 1,000 updates in fastdist's and the hand loop's blocks
+    (empty for a control, which counts none)."""
+    if "gc" not in result:
+        return ""
+    return f"{result['gc']['fastdist']:21.1f} / {result['gc']['hand']:.1f}"
+
+
 def report(results: dict[str, Any]) -> None:
     """Per case: the pairs' wall ratio (median, quartiles), the summed ratio, the CPU extra."""
     print("2 processes, gloo, OMP_NUM_THREADS=1; fastdist / hand per block pair")
     print(
         f"{'case':<26}{'pairs':>6}{'block':>6}{'hand us/upd':>12}"
         f"{'median (q1..q3)':>26}{'summed':>8}{'CPU extra us/upd':>18}"
+        f"{'GC per 1k upd (fastdist/hand)':>31}"
     )
     medians: dict[str, float] = {}
     for name, result in results.items():
@@ -224,7 +255,7 @@ def report(results: dict[str, Any]) -> None:
         hand_us = statistics.median(h[0] / block * 1e6 for h in hand)
         print(
             f"{name:<26}{len(pairs):6d}{block:6d}{hand_us:12.0f}"
-            f"{median:12.3f} ({q1:.3f}..{q3:.3f}){summed:8.3f}{extra:18.1f}"
+            f"{median:12.3f} ({q1:.3f}..{q3:.3f}){summed:8.3f}{extra:18.1f}{collections(result)}"
         )
     for name in ("tiny", "accumulation"):
         if f"{name} logging off" in medians:
