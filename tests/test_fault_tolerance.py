@@ -171,14 +171,24 @@ def test_a_kill_while_healing_recovers_and_check_sync_agrees(tmp_path: Path) -> 
 def test_check_sync_every_finds_groups_apart_on_every_group(tmp_path: Path) -> None:
     """Group 1 changes its model after update 3 (as a callback on one group could):
     check_sync_every 2 stops both groups at update 4, each naming it (before: each group
-    compared its own process only, and they trained on apart)."""
+    compared its own process only, and they trained on apart). In groups of 2 processes where
+    rank 0 of group 1 alone changes it, all 4 processes raise that error (before: the rank 1s
+    failed in a broken collective instead)."""
     cli = [sys.executable, "-m", "fastdist", "ft", "--groups", "2", "--min-replicas", "2"]
-    cli += ["--max-restarts", "0", str(WORKER), "--", str(tmp_path), "--check-sync", "2"]
-    (result,) = run_together([Launch([*cli, "--nudge", "3"])], 150)
-    assert result.returncode != 0, result.describe()
-    errors = [line for line in result.output.splitlines() if line.startswith("RuntimeError")]
-    assert len(errors) == 2, result.describe()
-    assert all("the replica groups' parameters differ after update 4" in e for e in errors)
+    cli += ["--max-restarts", "0"]
+
+    def launch(out: Path, procs: int, *extra: str) -> Launch:
+        out.mkdir()
+        args = [str(WORKER), "--", str(out), "--check-sync", "2", "--nudge", "3", *extra]
+        return Launch([*cli, "--procs-per-group", str(procs), *args])
+
+    launches = [launch(tmp_path / "1", 1), launch(tmp_path / "2", 2, "--nudge-rank", "0")]
+    for result, processes in zip(run_together(launches, 150), (2, 4), strict=True):
+        assert result.returncode != 0, result.describe()
+        lines = result.output.splitlines()
+        errors = [line for line in lines if line.startswith("RuntimeError")]
+        assert len(errors) == processes, result.describe()
+        assert all("the replica groups' parameters differ after update 4" in e for e in errors)
 
 
 def _check_accounting(run: dict[str, Any], per_update: int = BATCH) -> None:

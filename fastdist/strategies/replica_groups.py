@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils.data import IterableDataset
 
-from fastdist.distributed import get_rank, get_world_size
+from fastdist.distributed import all_gather_object, get_rank, get_world_size
 from fastdist.distributed.dtensor import local_shards
 from fastdist.logging import logger
 from fastdist.state import TrainerState
@@ -170,6 +170,7 @@ class ReplicaGroups:
         from torchft import Manager, ProcessGroupGloo
 
         self.model = signature(local_shards(model.state_dict()))
+        self.group = group
 
         lighthouse = os.environ[LIGHTHOUSE_VAR]
         check_reachable(lighthouse, min(self.timeout, 10.0))
@@ -336,7 +337,10 @@ class ReplicaGroups:
         if not replicas or self.manager.num_participants() == 1:
             return
         sums = [(name, float(t.detach().double().sum())) for name, t in replicas]
-        if agree(self.manager, repr(sums))[0] is False:
+        differs = agree(self.manager, repr(sums))[0] is False  # rank r of each group compared
+        if get_world_size() > 1:  # every rank of this group raises alike, not rank r alone
+            differs = any(all_gather_object(differs, self.group))
+        if differs:
             raise RuntimeError(
                 f"the replica groups' parameters differ after update {step} "
                 "(check_sync_every): a group changed its model outside the updates (e.g. in a "

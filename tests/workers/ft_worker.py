@@ -1,10 +1,11 @@
 """One torchft replica group of a fault-tolerant run: ``ft_worker.py OUT_DIR [KILL_GROUP
 KILL_STEP [--in-backward | --kill-healing]] [--epochs N] [--save-path DIR] [--check-sync N]
-[--odd-model GROUP HOW] [--nudge STEP] [--print-every N]``, launched by ``python -m fastdist
-ft`` (or with the replica variables set); ``--plain``: one process of plain DDP with
-update_every 2 instead; ``--fsdp``: ``FSDP(fault_tolerant=True)`` on a model of two layers
-(launched with ``--procs-per-group 2``: every rank of group KILL_GROUP dies; rank R > 0 writes
-``group<G>.attempt<A>.rank<R>.json[l]``, with its own shards beside the whole parameters).
+[--odd-model GROUP HOW] [--nudge STEP [--nudge-rank R]] [--print-every N]``, launched by
+``python -m fastdist ft`` (or with the replica variables set); ``--plain``: one process of
+plain DDP with update_every 2 instead; ``--fsdp``: ``FSDP(fault_tolerant=True)`` on a model of
+two layers (launched with ``--procs-per-group 2``: every rank of group KILL_GROUP dies; rank
+R > 0 writes ``group<G>.attempt<A>.rank<R>.json[l]``, with its own shards beside the whole
+parameters).
 
 A linear model on 64 samples (batch 2 per group, 3 epochs) with ``DDP(fault_tolerant=True)``.
 Group KILL_GROUP SIGKILLs itself after update KILL_STEP (or its first later one, if it joined
@@ -119,6 +120,7 @@ def main() -> None:
     )
     parser.add_argument("--check-sync", type=int, default=0, help="check_sync_every")
     parser.add_argument("--nudge", type=int, default=0, help="group 1 changes its model then")
+    parser.add_argument("--nudge-rank", type=int, default=-1, help="on this rank only")
     parser.add_argument("--fsdp", action="store_true", help="FSDP(fault_tolerant=True)")
     parser.add_argument("--print-every", type=int, default=1000)
     parser.add_argument(
@@ -142,7 +144,7 @@ def main() -> None:
     heal_killer = args.kill_healing and attempt == 1 and group == args.kill[0]
     log = out / f"{name}.jsonl"
     record = Record(kill_step, group == kill_group, log, args.in_backward, heal_killer)
-    record.nudge = args.nudge if group == 1 else 0
+    record.nudge = args.nudge if group == 1 and args.nudge_rank in (-1, rank) else 0
     record.heal_killer_run = args.kill_healing
     trainer = DistTrainer(
         train_data=data,
