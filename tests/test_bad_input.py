@@ -104,6 +104,13 @@ class Keyed(Callback):
     state_key = "same"  # type: ignore[assignment]
 
 
+class FreezeAtStart(Callback):
+    """Freezes the hidden layer in ``on_train_begin`` on every rank: after DDP wrapped it."""
+
+    def on_train_begin(self) -> None:
+        self.trainer.model.hidden.requires_grad_(False)
+
+
 class BarrierAt(Callback):
     """Calls ``barrier`` (imported by name) after update ``step``: a hang on rank 0 alone."""
 
@@ -610,6 +617,12 @@ ROWS: dict[str, Row] = {
         when="group",
     ),
     # seen at the first micro-batch, on every rank
+    "a_layer_frozen_once_ddp_wrapped_the_model": row(
+        {"callbacks_all": [FreezeAtStart()]},
+        "ValueError: requires_grad changed after DistTrainer was built | frozen: ['hidden.bias', "
+        "'hidden.weight'] | Set requires_grad before building DistTrainer",
+        when="first_batch",
+    ),
     "loss_not_a_scalar": row(
         {"loss": per_sample_loss, "update_every": 2},
         "ValueError: loss | scalar",

@@ -419,11 +419,12 @@ def test_a_model_difference_is_named() -> None:
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("how", ["wider", "renamed"])
+@pytest.mark.parametrize("how", ["wider", "renamed", "frozen"])
 def test_a_mismatched_model_fails_every_group_alike(how: str, tmp_path: Path) -> None:
-    """Group 1 builds another model (other shapes, or the same shapes under other names):
-    both groups fail at their first quorum together with one error naming the difference
-    (before: group 1 failed alone loading group 0's state, or trained on a renamed model)."""
+    """Group 1 builds another model (other shapes, the same shapes under other names, or
+    frozen parameters): both groups fail at their first quorum together with one error
+    naming the difference (before: group 1 failed alone loading group 0's state, trained on a
+    renamed model, or, frozen, died in gloo while group 0 trained on alone)."""
     cli = [sys.executable, "-m", "fastdist", "ft", "--groups", "2", "--min-replicas", "2"]
     cli += ["--max-restarts", "0", str(WORKER), "--", str(tmp_path), "--odd-model", "1", how]
     (result,) = run_together([Launch(cli)], 150)
@@ -431,6 +432,7 @@ def test_a_mismatched_model_fails_every_group_alike(how: str, tmp_path: Path) ->
     expected = {
         "wider": "0.weight is (3, 4) torch.float32 in group 1 and (1, 4) torch.float32 in group 0",
         "renamed": "0.bias only in group 0, 0.weight only in group 0, 1.bias only in group 1",
+        "frozen": "(frozen parameters) is 1 ['0.bias'] #",
     }[how]
     # One error from each group, the same (their tracebacks may interleave line by line).
     message = next(line for line in result.output.splitlines() if expected in line)

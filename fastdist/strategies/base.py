@@ -129,6 +129,9 @@ class Strategy:
     replica_group: tuple[int, int] = (0, 1)
     #: What heals this group's checkpoint parts from a live peer group (``None``: nothing).
     peer: Peer | None = None
+    #: The parameters that train (``requires_grad``) must stay as they were at setup: torch's
+    #: DDP all-reduces the gradients of those it wrapped only (set where it wraps).
+    fixed_trainable = False
 
     def degrees(self, world_size: int) -> dict[str, int]:
         """How many of ``world_size`` ranks this strategy lays along each dimension it runs on

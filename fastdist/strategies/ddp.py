@@ -132,6 +132,7 @@ class DDP(FaultTolerantStrategy):
             checkpointing=checkpointing,
             topology=topology,
         )
+        self.fixed_trainable = self.fault_tolerant or is_distributed()  # wrapped in DDP
         if self.fault_tolerant:
             manager, gated = self._join(model, optimizer, group, timeout)
             self.module = wrap_ddp(manager, model, group)

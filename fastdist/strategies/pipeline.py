@@ -198,6 +198,7 @@ class Pipeline(Strategy):
             group_["params"] = [p for p in group_["params"] if self.owns(names[id(p)])]
         self.modules: list[nn.Module] = list(self.stage_modules)
         if self.topology.size("dp_replicate") > 1:
+            self.fixed_trainable = True  # each stage's replicas under DDP
             pairs = zip(self.stage_modules, self.local, strict=True)
             self.modules = [self._replicate(module, index) for module, index in pairs]
         self.module = self.modules[0]

@@ -47,11 +47,13 @@ from fastdist.state import TrainerState
 from fastdist.strategies.ft_comm import group_store
 from fastdist.strategies.same_model import (
     FIX,
+    FROZEN,
     PROCESSES,
     Signature,
     agree,
     check_same,
     differences,
+    frozen_parameters,
     signature,
 )
 from fastdist.strategies.topology import DataShard
@@ -159,6 +161,7 @@ class ReplicaGroups:
         self.joined = False  # a quorum was just formed by join()
         self.manager: Any = None
         self.model: Signature = {}
+        self.frozen = "none"  # its frozen parameters (see same_model.frozen_parameters)
         self.checked = -1  # the last quorum whose groups were found to hold the same model
         self.odd_peer = ""  # how a peer's model that this group did not heal from differs
 
@@ -170,6 +173,7 @@ class ReplicaGroups:
         from torchft import Manager, ProcessGroupGloo
 
         self.model = signature(local_shards(model.state_dict()))
+        self.frozen = frozen_parameters(model)
         self.group = group
 
         lighthouse = os.environ[LIGHTHOUSE_VAR]
@@ -316,13 +320,9 @@ class ReplicaGroups:
     def _check_model(self) -> None:
         """At a new quorum: raise alike on every group in it if their models differ."""
         quorum = self.manager._quorum_id
-        processes = str(get_world_size())
+        mine = {**self.model, FROZEN: self.frozen, PROCESSES: str(get_world_size())}
         alone = self.manager.num_participants() == 1
-        if (
-            quorum != self.checked
-            and not alone
-            and check_same(self.manager, self.index, {**self.model, PROCESSES: processes})
-        ):
+        if quorum != self.checked and not alone and check_same(self.manager, self.index, mine):
             self.checked = quorum
         if self.odd_peer:  # the check could not run (a peer failed), or missed it
             raise ValueError(

@@ -20,16 +20,29 @@ Signature = dict[str, str]  # name -> "shape dtype" of every entry of a model's 
 #: groups' ranks one to one, so every group must have as many.
 PROCESSES = "(processes in the group)"
 
+#: The entry of a group's signature that names its frozen parameters (``requires_grad``).
+FROZEN = "(frozen parameters)"
+
 FIX = (
-    "every replica group must build the same model (the same parameter names, shapes and "
-    "dtypes): fix the script or its arguments so that all groups build one model, then "
-    "restart every group"
+    "every replica group must build the same model (the same parameter names, shapes, "
+    "dtypes and frozen parameters): fix the script or its arguments so that all groups "
+    "build one model, then restart every group"
 )
 
 
 def signature(state: Mapping[str, Any]) -> Signature:
     """The names, shapes and dtypes of a model's ``state_dict``."""
     return {name: f"{tuple(t.shape)} {t.dtype}" for name, t in state.items()}
+
+
+def frozen_parameters(model: torch.nn.Module) -> str:
+    """The names of ``model``'s parameters that train nothing (``requires_grad=False``): a
+    few, their count and a digest; ``"none"``."""
+    names = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if not names:
+        return "none"
+    digest = hashlib.sha1(repr(names).encode()).hexdigest()[:8]
+    return f"{len(names)} {names[:2]}{'...' if len(names) > 2 else ''} #{digest}"
 
 
 def check_same(manager: Any, index: int, mine: Signature) -> bool:

@@ -21,7 +21,7 @@ from fastdist.trainer.build import Run
 from fastdist.trainer.failure import report_failure, report_interrupt
 from fastdist.trainer.preemption import report_preempted, requeue
 from fastdist.trainer.progress import Progress, log_plan
-from fastdist.trainer.safety import all_finite, check_in_sync, warn_skipped
+from fastdist.trainer.safety import TrainableCheck, all_finite, check_in_sync, warn_skipped
 from fastdist.trainer.sync import Agreement
 from fastdist.trainer.update import TrainingModes, Update
 
@@ -45,6 +45,7 @@ class Loop:
         # unseen) and under torchft's replica groups (its read averages over the groups, and
         # one that heals at the next update's quorum would not join that average).
         self.read_logs_at_once = run.options.print_every == 1 or run.strategy.replica_group[1] > 1
+        self.trainable = TrainableCheck(run.model, run.strategy.fixed_trainable)
 
     def train_epochs(self) -> Agreement:
         """Train from the state's position to the end of the last epoch; return the last
@@ -124,6 +125,7 @@ class Loop:
         micro-batches as the strategy computes them. The timer times ``next()`` and the copy
         to the device as the data wait."""
         state = self.state
+        self.trainable.check()  # after on_epoch_begin, before a forward
         self.data.begin(epoch, state.samples_in_epoch, state.batches_in_epoch)
         # iter() draws from the torch RNG. A checkpoint at an epoch end was taken before that
         # draw, one inside an epoch after it: restore the saved state on the matching side.

@@ -65,9 +65,37 @@ def check_in_sync(strategy: Strategy, step: int, every: int | None, at_end: bool
             raise RuntimeError(
                 f"parameter {name!r} differs across ranks at step {step} (checksums by rank: "
                 f"{values}): code running on some ranks only (in callbacks_master, or behind a "
-                "rank test) changed the model or how it trains (e.g. the learning rate); make "
-                "the change on every rank, in callbacks_all"
+                "rank test) changed the model or how it trains (e.g. the learning rate), or "
+                "requires_grad changed during an epoch, which DDP does not follow; make the "
+                "change on every rank, in callbacks_all"
             )
+
+
+class TrainableCheck:
+    """The names of ``model``'s parameters that train (``requires_grad``) when the trainer
+    is built, where the strategy fixed them (``fixed``: DDP all-reduces those only)."""
+
+    def __init__(self, model: torch.nn.Module, fixed: bool) -> None:
+        self.model = model
+        self.names = self._names() if fixed else None
+
+    def _names(self) -> list[str]:
+        return [name for name, p in self.model.named_parameters() if p.requires_grad]
+
+    def check(self) -> None:
+        """Raise if the parameters that train changed (alike on every rank that changed them:
+        a callback in ``callbacks_all``)."""
+        if self.names is None or (now := self._names()) == self.names:
+            return
+        unfrozen, frozen = sorted(set(now) - set(self.names)), sorted(set(self.names) - set(now))
+        raise ValueError(
+            f"requires_grad changed after DistTrainer was built (unfrozen: {unfrozen[:3]}, "
+            f"frozen: {frozen[:3]}): torch's DDP all-reduces the gradients of the parameters "
+            "that trained when it wrapped the model only, so the ranks would train the "
+            "others apart, or wait for gradients that never come. Set requires_grad before "
+            "building DistTrainer (to change it later, build a new one on the same save_path: "
+            "it resumes from the last checkpoint)"
+        )
 
 
 def check_even_shards(n_batches: int, group: Any) -> None:

@@ -22,6 +22,7 @@ import torch
 from fastdist.checkpoint.identity import identity
 from fastdist.checks import shortened
 from fastdist.distributed import all_gather_object
+from fastdist.strategies.same_model import frozen_parameters
 from fastdist.trainer.arguments import Arguments
 
 #: Options each rank may choose for itself: where it runs and writes, how it loads data.
@@ -58,7 +59,9 @@ def describe(args: Arguments) -> dict[str, str]:
         "len(train_data)": _size(args.train_data),
         "len(dev_data)": "no dev_data" if args.dev_data is None else _size(args.dev_data),
         "model": "state-dict entries and shapes " + hashlib.sha1(model).hexdigest()[:12],
-        "frozen parameters (requires_grad=False)": _frozen(args.model),
+        # a layer frozen on one rank would train another model there, or mix two layers'
+        # gradients in DDP's all-reduce where their shapes agree
+        "frozen parameters (requires_grad=False)": frozen_parameters(args.model),
         "optimizer": f"{type(optimizer).__qualname__}, {len(optimizer.param_groups)} group(s)",
         **groups,
         "save_path given": repr(args.options.save_path is not None),  # a rank writes alone
@@ -91,17 +94,6 @@ def check_same_arguments(args: Arguments, group: Any) -> None:
         "arguments (the same script and command line; only device, paths, data-loading "
         "workers, timeout and callbacks_master may differ)"
     )
-
-
-def _frozen(model: torch.nn.Module) -> str:
-    """The names of ``model``'s parameters that train nothing: a few, their count and a digest
-    (a layer frozen on one rank would train another model there, or mix two layers'
-    gradients in DDP's all-reduce where their shapes agree)."""
-    names = [name for name, p in model.named_parameters() if not p.requires_grad]
-    if not names:
-        return "none"
-    digest = hashlib.sha1(repr(names).encode()).hexdigest()[:8]
-    return f"{len(names)} {names[:2]}{'...' if len(names) > 2 else ''} #{digest}"
 
 
 def _all_settings(items: list[Any], name: str) -> dict[str, str]:

@@ -127,7 +127,8 @@ def main() -> None:
         "--odd-model",
         nargs=2,
         metavar=("GROUP", "HOW"),
-        help="group GROUP's model differs from the others': 'wider' (shapes) or 'renamed'",
+        help="group GROUP's model differs from the others': 'wider' (shapes), 'renamed' or "
+        "'frozen' (requires_grad=False)",
     )
     args = parser.parse_args()
     out = args.out
@@ -206,7 +207,8 @@ def _full(param: torch.Tensor) -> torch.Tensor:
 
 
 def _model(odd: str) -> nn.Module:
-    """The model: a linear one, or with ``odd`` one that differs in shapes or names, or one
+    """The model: a linear one, or with ``odd`` one that differs in shapes, names or frozen
+    parameters, or one
     of two layers (``deeper``: FSDP shards each over the group, the last one unevenly)."""
     if odd == "deeper":
         return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
@@ -214,6 +216,10 @@ def _model(odd: str) -> nn.Module:
         return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))
     if odd == "renamed":
         return nn.Sequential(nn.Identity(), nn.Linear(4, 1))
+    if odd == "frozen":
+        model = nn.Sequential(nn.Linear(4, 1), nn.Identity())
+        model[0].bias.requires_grad_(False)
+        return model
     return nn.Sequential(nn.Linear(4, 1), nn.Identity())
 
 
