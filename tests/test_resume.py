@@ -355,7 +355,8 @@ def judged(straight: Path, tmp_path_factory: pytest.TempPathFactory) -> Judged:
     checkpoint, a manifest cut short, a shard with one byte flipped (named, then found by
     ``auto``), and a copy of the straight ``plain`` run whose newest checkpoint is cut short
     (``truncated``); then copies of finished runs resumed with another optimizer class
-    (``other-optimizer``, DDP) or another model (``other-model``, FSDP)."""
+    (``other-optimizer``, DDP), an optimizer over fewer parameters (``other-groups``) or
+    another model (``other-model``, FSDP)."""
     out = tmp_path_factory.mktemp("judged")
     source = straight / "fsdp-exact" / "checkpoints"
 
@@ -380,11 +381,17 @@ def judged(straight: Path, tmp_path_factory: pytest.TempPathFactory) -> Judged:
     newest = checkpoint_path(out / "truncated", "plain", truncated_steps[-1])
     os.truncate(newest, newest.stat().st_size // 2)
     shutil.copytree(straight / "plain", out / "other-optimizer" / "plain")
+    shutil.copytree(straight / "plain", out / "other-groups" / "plain")
     other_model = copy("other-model")
     other_optimizer = out / "other-optimizer" / "plain" / "checkpoints"
+    other_groups = out / "other-groups" / "plain" / "checkpoints"
     others = {  # their checkpoints, to be left as they are
         name: (path, snapshot(path))
-        for name, path in (("other-optimizer", other_optimizer), ("other-model", other_model))
+        for name, path in (
+            ("other-optimizer", other_optimizer),
+            ("other-groups", other_groups),
+            ("other-model", other_model),
+        )
     }
     cases = {
         "fresh": ("fsdp-exact", held.parent, False),
@@ -395,13 +402,14 @@ def judged(straight: Path, tmp_path_factory: pytest.TempPathFactory) -> Judged:
         "auto-shard": ("fsdp-exact", corrupt.parent, "auto"),  # it trains, rewriting step 3
         "truncated": ("plain", out / "truncated" / "plain", "auto"),  # it trains the last update
         "other-optimizer": ("plain", out / "other-optimizer" / "plain", "auto"),
+        "other-groups": ("plain", other_groups.parent, "auto"),
         "other-model": ("fsdp-exact", other_model.parent, "auto"),
     }
     spec = [
         {"name": name, "config": config, "save_path": str(path), "resume": resume}
         for name, (config, path, resume) in cases.items()
     ]
-    spec[-2]["adamw"], spec[-1]["hidden"] = True, HIDDEN + 2
+    spec[-3]["adamw"], spec[-2]["frozen"], spec[-1]["hidden"] = True, True, HIDDEN + 2
     (out / "cases.json").write_text(json.dumps(spec))
     result = run_torchrun(CHECKPOINT_WORKER, SIZE, [str(out / "cases.json"), str(out)])
     return Judged(out, result, held_before, truncated_steps, others)
@@ -481,9 +489,11 @@ def test_checkpoint_files_are_judged_alike_on_every_rank(straight: Path, judged:
 
 def test_another_optimizer_or_model_is_refused_before_anything_loads(judged: Judged) -> None:
     """A checkpoint resumed with another optimizer class (SGD's, by AdamW: it loaded, then
-    failed at the first step; AdamW's by Adam trained on as AdamW) or another model (torch's or
-    DCP's size mismatch, naming no checkpoint) is refused alike on every rank, naming the
-    checkpoint, the difference and the fix; its files stay as they were."""
+    failed at the first step; AdamW's by Adam trained on as AdamW), an optimizer over other
+    parameters (a layer frozen and left out of it: torch's "doesn't match the size of
+    optimizer's group", audit 70) or another model (torch's or DCP's size mismatch, naming no
+    checkpoint) is refused alike on every rank, naming the checkpoint, the difference and the
+    fix; its files stay as they were."""
     errors = {}
     for case in judged.others:
         ranks = outcomes(judged.out, case)
@@ -496,6 +506,10 @@ def test_another_optimizer_or_model_is_refused_before_anything_loads(judged: Jud
         "holds the state of a torch.optim.sgd.SGD optimizer, but this run passes "
         "optimizer=torch.optim.adamw.AdamW(...): pass a torch.optim.sgd.SGD"
     ) in optimizer
+    groups = errors["other-groups"]  # a layer frozen, the optimizer over the others only
+    assert groups.startswith("ValueError: checkpoint ") and fix in groups
+    assert "optimizer whose parameter groups hold [4] parameters, but this run's" in groups
+    assert "optimizer's hold [2]: build the optimizer over the same parameters" in groups
     model = errors["other-model"]
     assert model.startswith("ValueError: checkpoint ") and fix in model
     wider = f"hidden.bias is ({HIDDEN + 2},) in this model and ({HIDDEN},) in the checkpoint"

@@ -1,5 +1,5 @@
-"""What a checkpoint was written for: the model (its state-dict entries and their shapes) and
-the optimizer's class.
+"""What a checkpoint was written for: the model (its state-dict entries and their shapes), the
+optimizer's class and how many parameters each of its groups holds.
 
 A resume compares them with this run's before it loads anything. Unchecked, another optimizer
 class's state would load (an AdamW's into an ``Adam``, settings included, which then trains as
@@ -45,13 +45,20 @@ def refusal(saved: dict[str, Any] | None, live: dict[str, Any] | None, path: str
             f"from its weights alone if you like (python -m fastdist export {path} model.pt "
             "writes them for model.load_state_dict)"
         )
-    if saved["model"] == live["model"]:
-        return None
-    odd = differences(live["model"], saved["model"], "this model", "the checkpoint")
-    return (
-        f"checkpoint {path} was written for another model: {odd}. Pass model= the model it was "
-        f"trained with, {fix}"
-    )
+    if saved["model"] != live["model"]:
+        odd = differences(live["model"], saved["model"], "this model", "the checkpoint")
+        return (
+            f"checkpoint {path} was written for another model: {odd}. Pass model= the model it "
+            f"was trained with, {fix}"
+        )
+    if saved.get("groups", live.get("groups")) != live.get("groups"):  # older: not recorded
+        return (
+            f"checkpoint {path} holds the state of an optimizer whose parameter groups hold "
+            f"{saved['groups']} parameters, but this run's optimizer's hold {live['groups']}: "
+            "build the optimizer over the same parameters as the run that wrote it (e.g. all "
+            f"of the model's, frozen ones included: they keep no state), {fix}"
+        )
+    return None
 
 
 def differences(mine: Mapping[str, str], theirs: Mapping[str, str], me: str, them: str) -> str:

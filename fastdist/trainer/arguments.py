@@ -69,6 +69,9 @@ class Arguments:
     batch_sampler: Sampler | None
     collate_fn: Callable | None
     device: torch.device
+    #: How many parameters each of the optimizer's groups holds, as given (a checkpoint
+    #: records them; a pipeline's stage keeps its own share of each later).
+    optimizer_groups: list[int]
 
     @property
     def stream(self) -> bool:
@@ -137,6 +140,7 @@ def check_all(given: Mapping[str, Any], extra: Mapping[str, Any]) -> Arguments:
         batch_sampler=batch_sampler,
         collate_fn=collate_fn,
         device=device,
+        optimizer_groups=[len(group["params"]) for group in optimizer.param_groups],
     )
 
 

@@ -342,7 +342,8 @@ def _checkpointer(
         background,
         strategy.peer,
         world.data.size,
-        identity(args.model, args.optimizer),  # the model's own names and (global) shapes
+        # the model's own names and (global) shapes
+        {**identity(args.model, args.optimizer), "groups": args.optimizer_groups},
     )
 
 

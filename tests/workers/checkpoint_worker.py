@@ -10,7 +10,7 @@ Usage (under torchrun)::
 filesystem with ``FILE`` after update STEP, leaving half a checkpoint's space, or none with
 ``"fill": [STEP, FILE, 0]``; an optional ``"checkpoint_dir"`` moves the checkpoints there;
 ``"evaluate": true`` evaluates every epoch, keeping the best model in a file; rank 0 deletes
-the file ``"unfill"`` names first, if any: space freed; ``"hidden"`` and ``"adamw"``:
+the file ``"unfill"`` names first, if any: space freed; ``"hidden"``, ``"adamw"`` and ``"frozen"``:
 another model and optimizer, as ``build_trainer`` takes them); the cases
 run in order in one process (group), each a trainer of resume_worker.py's ``config`` that
 trains with ``train(resume=...)``. Rank R writes
@@ -76,7 +76,7 @@ def run_case(case: dict[str, Any], out: Path) -> dict[str, Any]:
     options: dict[str, Any] = {"checkpoint_dir": str(checkpoints)}
     if case.get("evaluate"):
         options.update(dev_data=ToyData(16, seed=1), metrics=AccuracyMetric(), metric_key="acc")
-    options.update({key: case[key] for key in ("hidden", "adamw") if key in case})
+    options.update({key: case[key] for key in ("hidden", "adamw", "frozen") if key in case})
     trainer = build_trainer(
         case["config"], save_path, callbacks=[ids], callbacks_master=fill, **options
     )

@@ -187,17 +187,23 @@ def build_trainer(
     train_data: Any = None,
     hidden: int = HIDDEN,
     adamw: bool = False,
+    frozen: bool = False,
     **options: Any,
 ) -> DistTrainer:
     """The trainer of ``config``, built from fixed seeds (the same in every attempt), on
     ``train_data`` (default ``ToyData(N_SAMPLES)``); ``options``: more DistTrainer arguments.
-    ``hidden`` and ``adamw`` (instead of SGD) make another model and optimizer."""
+    ``hidden`` and ``adamw`` (instead of SGD) make another model and optimizer; ``frozen``
+    freezes the first layer, and the optimizer holds the others only."""
     update_every, schedule, strategy, dropout, keep = CONFIGS[config]
     torch.manual_seed(1234)  # the model's init and the first dropout masks
     model = DropNet(dropout, hidden)
     optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     if adamw:
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.2)
+    if frozen:
+        next(model.children()).requires_grad_(False)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(trained, lr=0.2, momentum=0.9)
     if schedule == "warmup":
         lr_callback: Callback = WarmupCallback(warmup=0.3, schedule="linear")
     else:
