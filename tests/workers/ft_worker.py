@@ -12,7 +12,7 @@ Group KILL_GROUP SIGKILLs itself after update KILL_STEP (or its first later one,
 late) on its first attempt (torchrun starts it again). The others, once training alone after
 that update, wait before their last 10 updates (90 s at most, recorded as ``waited``) for the
 killed group's restart (``OUT_DIR/restarted.<attempt>.*``; with ``--kill-healing`` for its
-first restart 10 updates earlier), 2 s more once it is there (it asks for its first quorum
+first restart 10 updates earlier), 4 s more once it is there (it asks for its first quorum
 meanwhile, and heals at that update), and take 0.5 s per update from there while alone (else
 0.05 s), so that they are still training when it comes back. Every
 attempt appends its updates (step, epoch, participating groups, time) to
@@ -78,7 +78,7 @@ class Record(Callback):
         for restart in range(1, final + 1) if alone else ():
             if left <= 10 * (final - restart + 1):
                 _wait_for(self.log.parent, f"restarted.{restart}.*")
-                time.sleep(2)  # it asks for a quorum first: it heals at this update
+                time.sleep(4)  # it asks for a quorum first: it heals at this update
         self.waited = time.monotonic() - start
         time.sleep(0.5 if alone else 0.05)
 
